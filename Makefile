@@ -1,0 +1,35 @@
+# Two entry points: `make serve` (local PD cluster on the demo model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint format bench
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch first, so nothing below pulls a multi-GB CUDA wheel.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/pdserve up
+
+lint: install
+	$(BIN)/ruff check pdserve tests bench
+	$(BIN)/ruff format --check pdserve tests bench
+
+format: install
+	$(BIN)/ruff format pdserve tests bench
+	$(BIN)/ruff check --fix pdserve tests bench
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/fsm_bench.py
+	$(BIN)/python bench/transfer.py

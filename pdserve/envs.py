@@ -1,0 +1,30 @@
+"""The one module that reads environment variables (PDSERVE_* and the NIXL/UCX log levels).
+
+Everything else receives configuration through dataclasses passed down explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def quiet_nixl_logs() -> None:
+    """NIXL and UCX chatter at info level by default; keep errors unless the user chose a level."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+
+
+@dataclass(frozen=True)
+class Env:
+    log_level: str = "INFO"
+    model_dir: str | None = None
+    api_key: str | None = None
+
+
+def read_env() -> Env:
+    return Env(
+        log_level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
+        model_dir=os.environ.get("PDSERVE_MODEL") or None,
+        api_key=os.environ.get("PDSERVE_API_KEY") or None,
+    )
