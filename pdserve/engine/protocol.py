@@ -1,0 +1,91 @@
+"""What the HTTP layer and the Python embedding see of an engine (any role).
+
+The HTTP handlers validate and tokenize, then call :meth:`EngineClient.generate`; the engine
+streams :class:`GenerateOutput` deltas. Errors that end a request after admission are raised
+as :class:`EngineError` carrying the HTTP status and OpenAI error type to report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """PD hand-off coordinates, chosen by the router and given to both legs of a request."""
+
+    room_id: str
+    bootstrap_host: str
+    bootstrap_port: int
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    kv_transfer: KVTransferParams | None = None
+    deadline_s: float | None = None  # overall request deadline, relative to admission
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    """One streamed delta. The last one has ``finish_reason`` set."""
+
+    request_id: str
+    token_ids: list[int]  # tokens new in this delta
+    text: str  # text new in this delta (stop strings held back and trimmed)
+    num_prompt_tokens: int
+    num_generated_tokens: int  # total so far
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+
+
+@dataclass
+class EngineError(Exception):
+    """A request that ended in error after admission (timeout, lost peer, transfer failure)."""
+
+    message: str
+    status: int = 503
+    err_type: str = "service_unavailable"
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    role: str  # "prefill" | "decode" | "colocated"
+    model_name: str
+    max_model_len: int
+    engine_id: str
+    incarnation: str
+    bootstrap_port: int | None = None  # prefill only
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineClient(Protocol):
+    info: EngineInfo
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]: ...
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> bool: ...
+
+    def is_ready(self) -> bool: ...
+
+    def debug_requests(self) -> list[dict[str, Any]]: ...
+
+    def debug_rooms(self) -> list[dict[str, Any]]: ...
