@@ -77,8 +77,22 @@ class EngineInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class TokenizerLike(Protocol):
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
 class EngineClient(Protocol):
     info: EngineInfo
+    tokenizer: TokenizerLike
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]: ...
 
