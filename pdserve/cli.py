@@ -1,0 +1,141 @@
+"""Command line: `pdserve serve|router|up|generate|make-demo-model`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from pdserve.envs import quiet_nixl_logs, read_env
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF-format model dir (default: built-in demo)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--role", default="colocated", choices=["prefill", "decode", "colocated"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default 30001 prefill, 30002 decode")
+    p.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: KV bootstrap port")
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")
+    g = p.add_argument_group("deadlines (seconds)")
+    g.add_argument("--timeout-bootstrap", type=float, default=30.0)
+    g.add_argument("--timeout-waiting-for-input", type=float, default=60.0)
+    g.add_argument("--timeout-transfer", type=float, default=30.0)
+    g.add_argument("--timeout-queue", type=float, default=60.0)
+    g.add_argument("--timeout-waiting-for-kv", type=float, default=120.0)
+    g.add_argument("--timeout-request", type=float, default=None, help="overall, off by default")
+    p.add_argument("--log-level", default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_nixl_logs()
+    commands = {
+        "serve": _serve,
+        "router": _router,
+        "up": _up,
+        "generate": _generate,
+        "make-demo-model": _make_demo,
+    }
+    if not argv or argv[0] not in commands:
+        print(f"usage: pdserve {{{','.join(commands)}}} [--help]", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+def setup_logging(level: str | None) -> None:
+    logging.basicConfig(
+        level=(level or read_env().log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def run_async(coro: object) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but stay usable without
+        asyncio.run(coro)  # type: ignore[arg-type]
+    else:
+        uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def _serve(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve serve")
+    add_serve_args(p)
+    args = p.parse_args(argv)
+    setup_logging(args.log_level)
+    from pdserve.config_builder import server_config_from_args
+
+    config = server_config_from_args(args)
+    run_async(_serve_forever(config))
+    return 0
+
+
+async def _serve_forever(config: object) -> None:
+    from pdserve.server import Server
+
+    server = Server(config)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"pdserve {server.config.role} serving at {server.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def _router(argv: list[str]) -> int:
+    from pdserve.router import main as router_main
+
+    return router_main(argv)
+
+
+def _up(argv: list[str]) -> int:
+    from pdserve.launcher import main as up_main
+
+    return up_main(argv)
+
+
+def _generate(argv: list[str]) -> int:
+    from pdserve.generate import main as generate_main
+
+    return generate_main(argv)
+
+
+def _make_demo(argv: list[str]) -> int:
+    from pdserve.model.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The given model dir, or the built-in demo model (created on first use)."""
+    if model:
+        return Path(model)
+    from pdserve.model.demo import default_demo_dir, ensure_demo_model
+
+    return ensure_demo_model(default_demo_dir())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

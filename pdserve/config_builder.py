@@ -1,0 +1,78 @@
+"""Builds the layered dataclass configs of a server from parsed command-line arguments."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.api.config import ApiConfig
+from pdserve.cli import resolve_model_dir
+from pdserve.engine.config import EngineConfig, RequestDeadlines
+from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.envs import read_env
+from pdserve.fsm import RoomDeadlines
+from pdserve.model_runner import RunnerConfig
+from pdserve.server import ServerConfig
+from pdserve.transport import TransportConfig
+
+DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30001}
+
+
+def runner_config_from_args(args: argparse.Namespace) -> RunnerConfig:
+    return RunnerConfig(
+        model_dir=str(resolve_model_dir(args.model or read_env().model_dir)),
+        dtype=args.dtype,
+        page_size=args.page_size,
+        kv_cache_bytes=args.kv_cache_mb << 20,
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+    )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    runner = runner_config_from_args(args)
+    model_name = args.served_model_name or _model_name(args.model)
+    engine_id = args.engine_id or f"{args.role}-{args.host}:{args.port or DEFAULT_PORTS[args.role]}"
+    engine = EngineConfig(
+        role=args.role,
+        model_name=model_name,
+        engine_id=engine_id,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_prefill_tokens=args.max_prefill_tokens,
+        ),
+        deadlines=RequestDeadlines(
+            waiting_s=args.timeout_queue,
+            waiting_for_kv_s=args.timeout_waiting_for_kv,
+            prefill_inflight_s=args.timeout_transfer + args.timeout_waiting_for_input,
+            request_s=args.timeout_request,
+        ),
+    )
+    transport = TransportConfig(
+        engine_id=engine_id,
+        bootstrap_host=args.host,
+        bootstrap_port=args.bootstrap_port,
+        heartbeat_interval_s=args.heartbeat_interval,
+        checksum=args.kv_checksum,
+        deadlines=RoomDeadlines(
+            bootstrapping_s=args.timeout_bootstrap,
+            waiting_for_input_s=args.timeout_waiting_for_input,
+            transferring_s=args.timeout_transfer,
+        ),
+    )
+    api_key = args.api_key or read_env().api_key
+    return ServerConfig(
+        runner=runner,
+        engine=engine,
+        transport=transport,
+        api=ApiConfig(served_model_name=model_name, api_key=api_key),
+        host=args.host,
+        port=args.port if args.port is not None else DEFAULT_PORTS[args.role],
+    )
+
+
+def _model_name(model: str | None) -> str:
+    if not model:
+        return "pdserve-demo"
+    return model.rstrip("/").rsplit("/", 1)[-1]

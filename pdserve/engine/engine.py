@@ -1,0 +1,346 @@
+"""The engine: admits requests, runs the schedule -> forward -> postprocess loop, streams outputs.
+
+One engine per server process, any role. The model runner runs on one executor thread so the event
+loop (HTTP, heartbeats, KV transfers) stays responsive during a forward. Disaggregation is composed
+in through a :class:`~pdserve.engine.handoff.Handoff`; the loop itself does not branch on role
+beyond asking the handoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.output import OutputState
+from pdserve.engine.protocol import (
+    EngineError,
+    EngineInfo,
+    GenerateOutput,
+    GenerateRequest,
+    TokenLogprob,
+)
+from pdserve.engine.request import Request, RequestState
+from pdserve.engine.scheduler import Batch, Scheduler
+from pdserve.engine.stats import EngineObserver
+from pdserve.kernels.kv_cache import PageAllocator
+from pdserve.sampling_params import SamplingParams
+from pdserve.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pdserve.engine.handoff import Handoff
+    from pdserve.model_runner import ModelRunner, RunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Implements :class:`~pdserve.engine.protocol.EngineClient`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        *,
+        incarnation: str,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.allocator = PageAllocator(runner.kv_config.num_pages)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, runner.kv_config.page_size)
+        self.observer = observer or EngineObserver()
+        self.handoff: Handoff | None = None
+        self.info = EngineInfo(
+            role=config.role,
+            model_name=config.model_name,
+            max_model_len=runner.max_model_len,
+            engine_id=config.engine_id,
+            incarnation=incarnation,
+        )
+        self._requests: dict[str, Request] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-runner")
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stepping = False
+        self._deferred_frees: list[int] = []
+        self._ready = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def attach_handoff(self, handoff: Handoff, bootstrap_port: int | None = None) -> None:
+        self.handoff = handoff
+        if bootstrap_port is not None:
+            info = self.info
+            self.info = EngineInfo(
+                info.role, info.model_name, info.max_model_len, info.engine_id,
+                info.incarnation, bootstrap_port,
+            )  # fmt: skip
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run(), name="pdserve-engine")
+        await self._warmup()
+        self._ready = True
+
+    async def stop(self) -> None:
+        self._ready = False
+        for req in list(self._requests.values()):
+            self._fail(req, EngineError("server shutting down", 503, "service_unavailable"))
+        if self._loop_task:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+
+    def is_ready(self) -> bool:
+        return self._ready and self._loop_task is not None and not self._loop_task.done()
+
+    async def _warmup(self) -> None:
+        """A real one-token generation through the local runner proves the model works."""
+        seq = Sequence(
+            "warmup", [self.tokenizer.bos_token_id or 0], 1, SamplingParams(max_tokens=1)
+        )
+        seq.page_ids = self.allocator.allocate(1)
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self.runner.prefill, [seq])
+        finally:
+            self.allocator.free(seq.page_ids)
+
+    # ---- public API ------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        req = self._admit(request)
+        try:
+            while True:
+                item = await req.outputs.get()
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not req.is_finished:
+                self._abort_request(req, "aborted: consumer went away")
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._abort_request(req, reason)
+        return True
+
+    # ---- admission -------------------------------------------------------------------------
+    def _admit(self, request: GenerateRequest) -> Request:
+        if not self._ready:
+            raise EngineError("engine is not ready", 503, "service_unavailable")
+        if request.request_id in self._requests:
+            raise EngineError(
+                f"request id {request.request_id!r} is already in flight", 409, "conflict_error"
+            )
+        sp = request.sampling
+        if sp.seed is None:
+            sp.seed = random.getrandbits(62)
+        num_prompt = len(request.prompt_token_ids)
+        need = self.runner.kv_config.pages_for(
+            min(num_prompt + sp.max_tokens, self.info.max_model_len)
+        )
+        if need > self.allocator.num_pages:
+            raise EngineError(
+                f"request needs {need} KV pages, the cache holds {self.allocator.num_pages}",
+                400, "invalid_request_error", "context_length_exceeded",
+            )  # fmt: skip
+        seq = Sequence(request.request_id, list(request.prompt_token_ids), num_prompt, sp)
+        req = Request(request.request_id, seq, request.kv_transfer)
+        req.out_state = OutputState(req.request_id, seq, self.tokenizer, self.info.max_model_len)
+        self._requests[req.request_id] = req
+        self.observer.on_arrival(req)
+        if request.deadline_s is not None or self.config.deadlines.request_s is not None:
+            total = request.deadline_s or self.config.deadlines.request_s
+            req.overall_deadline = asyncio.get_running_loop().call_later(
+                total, self._on_deadline, req, "timeout:request"
+            )
+        try:
+            if self.handoff is not None:
+                self.handoff.admit(req)
+            else:
+                self.enqueue_prefill(req)
+        except BaseException:
+            self._requests.pop(req.request_id, None)
+            self._cancel_timers(req)
+            raise
+        return req
+
+    def enqueue_prefill(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self.arm(req, self.config.deadlines.waiting_s, "timeout:waiting")
+        self._wake.set()
+
+    # ---- the loop --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        decodes = self.config.role != "prefill"
+        while True:
+            batch = self.scheduler.schedule(decode=decodes)
+            if batch is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            fn = self.runner.prefill if batch.kind == "prefill" else self.runner.decode
+            seqs = [r.seq for r in batch.requests]
+            self._stepping = True
+            try:
+                out = await loop.run_in_executor(self._executor, fn, seqs)
+            except Exception as e:  # a model error fails this batch, never the server
+                logger.exception("%s step failed for %d requests", batch.kind, len(seqs))
+                for req in batch.requests:
+                    self._fail(req, EngineError(f"model step failed: {e}", 500, "internal_error"))
+                continue
+            finally:
+                self._stepping = False
+                self._flush_frees()
+            self._apply(batch, out)
+
+    def _apply(self, batch: Batch, out: RunnerOutput) -> None:
+        logprobs = out.logprobs or [None] * len(out.token_ids)
+        for req, tok, lp in zip(batch.requests, out.token_ids, logprobs, strict=True):
+            if req.is_finished:
+                continue
+            seq = req.seq
+            seq.num_cached_tokens = seq.num_tokens
+            seq.token_ids.append(tok)
+            if batch.kind == "prefill":
+                if self.handoff is not None and self.handoff.on_prefilled(req, tok):
+                    continue
+                if req.state is RequestState.WAITING:
+                    req.move(RequestState.RUNNING, "prefilled")
+                    self.disarm(req)
+                    self.scheduler.add_running(req)
+            self.emit(req, [tok], [lp] if lp is not None else None)
+
+    # ---- outputs and endings ---------------------------------------------------------------
+    def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        out = req.out_state.update(ids, logprobs)
+        self.observer.on_tokens(req, len(ids))
+        req.outputs.put_nowait(out)
+        if out.finish_reason is not None:
+            self._finish(req, out.finish_reason)
+
+    def start_decoding(self, req: Request, first_token: int) -> None:
+        """Decode role: the KV of the prompt arrived; the first token came with it."""
+        seq = req.seq
+        seq.num_cached_tokens = seq.num_tokens
+        seq.token_ids.append(first_token)
+        req.move(RequestState.RUNNING, "kv received")
+        self.disarm(req)
+        self.emit(req, [first_token], None)
+        if not req.is_finished:
+            self.scheduler.add_running(req)
+            self._wake.set()
+
+    def finish_with(self, req: Request, ids: list[int], finish_reason: str) -> None:
+        """End a request with a last delta (the prefill leg ends after its first token)."""
+        out = req.out_state.update(ids, None)
+        out.finish_reason = out.finish_reason or finish_reason
+        self.observer.on_tokens(req, len(ids))
+        req.outputs.put_nowait(out)
+        self._finish(req, out.finish_reason)
+
+    def fail(self, req: Request, error: EngineError) -> None:
+        self._fail(req, error)
+
+    def _fail(self, req: Request, error: EngineError) -> None:
+        if req.is_finished:
+            return
+        req.error = error
+        logger.info("req=%s room=%s failed: %s", req.request_id, req.room_id, error.message)
+        req.outputs.put_nowait(error)
+        self._finish(req, "error", reason=error.message)
+
+    def _abort_request(self, req: Request, reason: str) -> None:
+        if req.is_finished:
+            return
+        self.observer.on_abort(req)
+        req.outputs.put_nowait(
+            GenerateOutput(req.request_id, [], "", req.seq.num_prompt_tokens,
+                           req.seq.num_generated, finish_reason="abort")
+        )  # fmt: skip
+        self._finish(req, "abort", reason=reason)
+
+    def _finish(self, req: Request, status: str, reason: str | None = None) -> None:
+        prev = req.state
+        if not req.move(RequestState.FINISHED, reason or status):
+            return
+        req.finish_reason = status
+        self._cancel_timers(req)
+        self.scheduler.remove(req)
+        if self.handoff is not None:
+            self.handoff.on_finish(req, prev, reason or status)
+        if req.seq.page_ids and not req.pages_in_room:
+            self.free_pages(req.seq.page_ids)
+        req.seq.page_ids = []
+        self._requests.pop(req.request_id, None)
+        self.observer.on_finish(req, status)
+
+    def free_pages(self, pages: list[int]) -> None:
+        # While a forward runs, its pages may still be written: defer frees to the step's end.
+        if self._stepping:
+            self._deferred_frees.extend(pages)
+        else:
+            self.allocator.free(pages)
+            self._wake.set()
+            if self.handoff is not None:
+                self.handoff.on_pages_freed()
+
+    def _flush_frees(self) -> None:
+        if self._deferred_frees:
+            pages, self._deferred_frees = self._deferred_frees, []
+            self.free_pages(pages)
+
+    # ---- deadlines -------------------------------------------------------------------------
+    def arm(self, req: Request, seconds: float, label: str) -> None:
+        self.disarm(req)
+        req.deadline = asyncio.get_running_loop().call_later(seconds, self._on_deadline, req, label)
+
+    def disarm(self, req: Request) -> None:
+        if req.deadline is not None:
+            req.deadline.cancel()
+            req.deadline = None
+
+    def _cancel_timers(self, req: Request) -> None:
+        self.disarm(req)
+        if req.overall_deadline is not None:
+            req.overall_deadline.cancel()
+            req.overall_deadline = None
+
+    def _on_deadline(self, req: Request, label: str) -> None:
+        if req.is_finished:
+            return
+        self.observer.on_timeout(req, label)
+        state = req.state.value
+        msg = f"request {req.request_id} timed out in state {state} ({label})"
+        self._fail(req, EngineError(msg, 504, "timeout", label))
+
+    # ---- introspection ---------------------------------------------------------------------
+    def count_by_state(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in RequestState if s is not RequestState.FINISHED}
+        for req in self._requests.values():
+            counts[req.state.value] += 1
+        return counts
+
+    def oldest_age_by_state(self) -> dict[str, float]:
+        now = time.monotonic()
+        ages = {s.value: 0.0 for s in RequestState if s is not RequestState.FINISHED}
+        for req in self._requests.values():
+            ages[req.state.value] = max(ages[req.state.value], now - req.state_entered)
+        return ages
+
+    def debug_requests(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [r.debug_dict(now) for r in self._requests.values()]
+
+    def debug_rooms(self) -> list[dict[str, Any]]:
+        return self.handoff.debug_rooms() if self.handoff is not None else []

@@ -1,0 +1,99 @@
+"""A Request is one generation stream inside an engine: its Sequence, its lifecycle state and
+the queue its outputs are streamed through. Plain object; the engine (on the loop) is its writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdserve.engine.protocol import EngineError, GenerateOutput, KVTransferParams
+from pdserve.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pdserve.engine.output import OutputState
+
+logger = logging.getLogger(__name__)
+
+
+class RequestState(enum.StrEnum):
+    WAITING = "waiting"  # queued for prefill (or for re-prefill after preemption)
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: destination pages posted, KV not there yet
+    PREFILL_INFLIGHT = "prefill_inflight"  # prefill role: prefill done, KV hand-off not final
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+# Allowed lifecycle moves; FINISHED is absorbing.
+_NEXT: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset(
+        {RequestState.RUNNING, RequestState.PREFILL_INFLIGHT, RequestState.FINISHED}
+    ),
+    RequestState.WAITING_FOR_KV: frozenset({RequestState.RUNNING, RequestState.FINISHED}),
+    RequestState.PREFILL_INFLIGHT: frozenset({RequestState.FINISHED}),
+    RequestState.RUNNING: frozenset({RequestState.WAITING, RequestState.FINISHED}),
+    RequestState.FINISHED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    seq: Sequence
+    kv_transfer: KVTransferParams | None = None
+    state: RequestState = RequestState.WAITING
+    arrival: float = field(default_factory=time.monotonic)
+    state_entered: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+    error: EngineError | None = None
+    reason: str | None = None  # why the last move happened
+    deadline: asyncio.TimerHandle | None = None  # of the current state
+    overall_deadline: asyncio.TimerHandle | None = None
+    pages_in_room: bool = False  # decode: pages lent to a KV room (the room frees them on failure)
+    out_state: OutputState | None = None
+    outputs: asyncio.Queue[GenerateOutput | EngineError] = field(default_factory=asyncio.Queue)
+
+    @property
+    def room_id(self) -> str | None:
+        return self.kv_transfer.room_id if self.kv_transfer else None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def move(self, to: RequestState, reason: str) -> bool:
+        """Lifecycle step; a move out of FINISHED (or any illegal move) is refused and logged."""
+        if to not in _NEXT[self.state]:
+            logger.debug(
+                "req=%s refused move %s -> %s (%s)",
+                self.request_id,
+                self.state.value,
+                to.value,
+                reason,
+            )
+            return False
+        logger.debug(
+            "req=%s room=%s %s -> %s reason=%s",
+            self.request_id, self.room_id, self.state.value, to.value, reason,
+        )  # fmt: skip
+        self.state, self.reason, self.state_entered = to, reason, time.monotonic()
+        return True
+
+    def debug_dict(self, now: float) -> dict:
+        return {
+            "request_id": self.request_id,
+            "state": self.state.value,
+            "room_id": self.room_id,
+            "age_s": round(now - self.arrival, 4),
+            "in_state_s": round(now - self.state_entered, 4),
+            "num_prompt_tokens": self.seq.num_prompt_tokens,
+            "num_generated_tokens": self.seq.num_generated,
+            "num_pages": len(self.seq.page_ids),
+            "reason": self.reason,
+        }

@@ -1,0 +1,146 @@
+"""`pdserve up`: a local PD cluster (prefill + decode + router) as child processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from pdserve.cli import add_model_args, resolve_model_dir
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model_dir: str
+    served_model_name: str
+    router_port: int = 30000
+    prefill_port: int = 30001
+    decode_port: int = 30002
+    bootstrap_port: int = 8998
+    ready_timeout_s: float = 600.0
+    extra_worker_args: tuple[str, ...] = ()
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+
+
+def _spawn(name: str, argv: list[str], url: str) -> Child:
+    cmd = [sys.executable, "-m", "pdserve", *argv]
+    print(f"[up] starting {name}: {' '.join(cmd[2:])}", flush=True)
+    return Child(name, url, subprocess.Popen(cmd, start_new_session=True))
+
+
+def start_cluster(cfg: ClusterConfig) -> list[Child]:
+    host = "127.0.0.1"
+    common = ["--model", cfg.model_dir, "--served-model-name", cfg.served_model_name,
+              *cfg.extra_worker_args]  # fmt: skip
+    prefill_url = f"http://{host}:{cfg.prefill_port}"
+    decode_url = f"http://{host}:{cfg.decode_port}"
+    return [
+        _spawn("prefill", ["serve", "--role", "prefill", "--port", str(cfg.prefill_port),
+                           "--bootstrap-port", str(cfg.bootstrap_port), *common], prefill_url),
+        _spawn("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common],
+               decode_url),
+        _spawn("router", ["router", "--port", str(cfg.router_port), "--prefill", prefill_url,
+                          "--decode", decode_url], f"http://{host}:{cfg.router_port}"),
+    ]  # fmt: skip
+
+
+def is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health/ready", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_ready(children: list[Child], timeout_s: float) -> None:
+    """Poll each child's readiness with a deadline; fail fast if one exits."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(children)
+    delay = 0.05
+    while pending:
+        for child in list(pending):
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}")
+            if is_ready(child.url):
+                print(f"[up] {child.name} ready at {child.url}", flush=True)
+                pending.remove(child)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"not ready after {timeout_s:.0f}s: {[c.name for c in pending]}")
+        if pending:
+            time.sleep(delay)  # polling interval of a readiness check with a deadline
+            delay = min(delay * 2, 1.0)
+
+
+def stop_cluster(children: list[Child], grace_s: float = 10.0) -> None:
+    for child in reversed(children):
+        if child.proc.poll() is None:
+            os.killpg(child.proc.pid, signal.SIGTERM)
+    for child in reversed(children):
+        try:
+            child.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__)
+    add_model_args(p)
+    p.add_argument("--router-port", type=int, default=30000)
+    p.add_argument("--prefill-port", type=int, default=30001)
+    p.add_argument("--decode-port", type=int, default=30002)
+    p.add_argument("--bootstrap-port", type=int, default=8998)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    model_dir = str(resolve_model_dir(args.model))  # made once, before the children race for it
+    worker_args = ["--dtype", args.dtype, "--page-size", str(args.page_size),
+                   "--kv-cache-mb", str(args.kv_cache_mb)]  # fmt: skip
+    cfg = ClusterConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or os.path.basename(model_dir.rstrip("/")),
+        router_port=args.router_port,
+        prefill_port=args.prefill_port,
+        decode_port=args.decode_port,
+        bootstrap_port=args.bootstrap_port,
+        ready_timeout_s=args.ready_timeout,
+        extra_worker_args=tuple(worker_args),
+    )
+    children = start_cluster(cfg)
+    try:
+        wait_ready(children, cfg.ready_timeout_s)
+        url = children[-1].url
+        print(
+            f"\npdserve PD cluster ready: {url}/v1  (model {cfg.served_model_name!r})", flush=True
+        )
+        print(
+            f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{cfg.served_model_name}", '
+            '"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}\'',
+            flush=True,
+        )
+        print("Ctrl-C stops all.", flush=True)
+        while all(c.proc.poll() is None for c in children):
+            try:
+                children[0].proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                continue
+        dead = [c.name for c in children if c.proc.poll() is not None]
+        print(f"[up] {dead} exited; stopping the cluster", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\n[up] stopping", flush=True)
+        return 0
+    finally:
+        stop_cluster(children)

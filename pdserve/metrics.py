@@ -1,0 +1,180 @@
+"""Prometheus metrics of one server. Everything lives in the server's own registry (no globals).
+
+Latencies and counts are observed as they happen (EngineObserver hooks); queue sizes, pages and room
+states are read from their owners at scrape time, so an idle server shows exactly zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pdserve.engine.request import Request, RequestState
+from pdserve.engine.stats import EngineObserver
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import Engine
+    from pdserve.fsm import RoomTable
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+                    5.12, 10.24, 20.48, 40.96, 81.92)  # fmt: skip
+
+# Engine request states -> the gauge names the operators' dashboards use.
+_QUEUE_GAUGES = {
+    RequestState.WAITING: ("pdserve_waiting_requests", "Requests queued for prefill"),
+    RequestState.RUNNING: ("pdserve_running_requests", "Requests in the decode batch"),
+    RequestState.PREFILL_INFLIGHT: (
+        "pdserve_prefill_inflight_requests",
+        "Prefill done, KV hand-off not final",
+    ),
+    RequestState.WAITING_FOR_KV: (
+        "pdserve_decode_waiting_for_kv_requests",
+        "Decode requests whose KV has not arrived",
+    ),
+}
+
+
+class PrometheusObserver(EngineObserver):
+    def __init__(self, role: str, registry: CollectorRegistry) -> None:
+        self.role = role
+        labels = ["role"]
+        self.requests = Counter(
+            "pdserve_requests", "Finished requests by status", ["role", "status"], registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens admitted", labels, registry=registry
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated", labels, registry=registry
+        )
+        self.aborts = Counter("pdserve_aborts", "Requests aborted", labels, registry=registry)
+        self.timeouts = Counter(
+            "pdserve_request_timeouts", "Request deadlines fired", ["role", "state"],
+            registry=registry,
+        )  # fmt: skip
+        hist = dict(buckets=_LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Time to first token", labels, **hist
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds", "Time between tokens", labels, **hist
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds", "Request latency", labels, **hist
+        )
+
+    def on_arrival(self, req: Request) -> None:
+        self.prompt_tokens.labels(self.role).inc(req.seq.num_prompt_tokens)
+
+    def on_tokens(self, req: Request, num_tokens: int) -> None:
+        super().on_tokens(req, num_tokens)
+        self.generation_tokens.labels(self.role).inc(num_tokens)
+
+    def on_first_token(self, req: Request, ttft_s: float) -> None:
+        self.ttft.labels(self.role).observe(ttft_s)
+
+    def on_inter_token(self, req: Request, itl_s: float) -> None:
+        self.itl.labels(self.role).observe(itl_s)
+
+    def on_abort(self, req: Request) -> None:
+        self.aborts.labels(self.role).inc()
+
+    def on_timeout(self, req: Request, label: str) -> None:
+        self.timeouts.labels(self.role, req.state.value).inc()
+
+    def on_finish(self, req: Request, status: str) -> None:
+        self.requests.labels(self.role, status).inc()
+        if req.last_token_at is not None:
+            self.e2e.labels(self.role).observe(req.last_token_at - req.arrival)
+
+
+class EngineCollector:
+    """Reads gauges from the engine, its page allocator and room table at scrape time."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rooms: Callable[[], RoomTable | None],
+        transport_stats: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.engine = engine
+        self.rooms = rooms
+        self.transport_stats = transport_stats
+
+    def collect(self) -> Iterator[Metric]:
+        role = self.engine.config.role
+        counts = self.engine.count_by_state()
+        for state, (name, doc) in _QUEUE_GAUGES.items():
+            yield _gauge(name, doc, role, counts[state.value])
+        alloc = self.engine.allocator
+        yield _gauge("pdserve_kv_pages_total", "KV cache pages", role, alloc.num_pages)
+        yield _gauge("pdserve_kv_pages_free", "Free KV cache pages", role, alloc.num_free)
+        yield _gauge("pdserve_kv_pages_used", "Used KV cache pages", role, alloc.num_used)
+        yield from self._ages(role)
+        table = self.rooms()
+        if table is not None:
+            yield from _room_metrics(role, table)
+        yield from _transport_metrics(role, self.transport_stats())
+
+    def _ages(self, role: str) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "pdserve_oldest_nonterminal_age_seconds",
+            "Age in its current state of the oldest live request or room, by state",
+            labels=["role", "state"],
+        )
+        for state, age in self.engine.oldest_age_by_state().items():
+            g.add_metric([role, f"request:{state}"], age)
+        table = self.rooms()
+        if table is not None:
+            for state, age in table.oldest_age_by_state().items():
+                g.add_metric([role, f"room:{state}"], age)
+        yield g
+
+
+def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["role"])
+    g.add_metric([role], value)
+    return g
+
+
+def _room_metrics(role: str, table: RoomTable) -> Iterator[Metric]:
+    g = GaugeMetricFamily("pdserve_rooms", "Live KV rooms by state", labels=["role", "state"])
+    for state, n in table.count_by_state().items():
+        g.add_metric([role, str(state)], n)
+    yield g
+    stats = table.stats
+    rej = CounterMetricFamily(
+        "pdserve_fsm_rejected_transitions",
+        "Room triggers refused because they were invalid in the room's state (counted no-ops)",
+        labels=["role", "trigger", "state"],
+    )
+    for (trigger, state), n in sorted(stats.rejected.items()):
+        rej.add_metric([role, trigger, str(state)], n)
+    yield rej
+    to = CounterMetricFamily(
+        "pdserve_room_timeouts", "Room deadlines fired, by state", labels=["role", "state"]
+    )
+    for state, n in sorted(stats.timeouts_by_state.items()):
+        to.add_metric([role, str(state)], n)
+    yield to
+    ended = CounterMetricFamily(
+        "pdserve_rooms_ended", "Rooms that reached a final state", labels=["role", "outcome"]
+    )
+    ended.add_metric([role, "Success"], stats.succeeded)
+    for reason, n in sorted(stats.failed_by_reason.items()):
+        ended.add_metric([role, f"Failed:{reason}"], n)
+    yield ended
+
+
+def _transport_metrics(role: str, stats: dict[str, Any]) -> Iterator[Metric]:
+    for key, value in sorted(stats.items()):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        c = CounterMetricFamily(
+            f"pdserve_transport_{key}", f"KV transport counter {key}", labels=["role"]
+        )
+        c.add_metric([role], value)
+        yield c

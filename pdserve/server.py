@@ -1,0 +1,146 @@
+"""A pdserve worker server of any role, for the CLI and for Python embedding.
+
+async with Server(ServerConfig(role="colocated", model_dir=...)) as server:
+    async for out in server.generate("Hello", max_tokens=8):
+        print(out.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from pdserve.api.app import build_app, start_http
+from pdserve.api.config import ApiConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.handoff import DecodeHandoff, PrefillHandoff
+from pdserve.engine.protocol import GenerateOutput, GenerateRequest
+from pdserve.metrics import EngineCollector, PrometheusObserver
+from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.sampling_params import SamplingParams
+from pdserve.transport import KVReceiver, KVSender, TransportConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    runner: RunnerConfig
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: TransportConfig | None = None  # prefill/decode roles; derived when None
+    api: ApiConfig | None = None  # derived from the engine's model name when None
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    serve_http: bool = True
+
+    @property
+    def role(self) -> str:
+        return self.engine.role
+
+
+class Server:
+    """Owns one engine, its transport (for disaggregated roles) and its HTTP API."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.incarnation = uuid.uuid4().hex
+        self.registry = CollectorRegistry()
+        self.engine: Engine | None = None
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self._http: web.AppRunner | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        cfg = self.config
+        runner = await asyncio.to_thread(ModelRunner, cfg.runner)  # weight loading off the loop
+        observer = PrometheusObserver(cfg.role, self.registry)
+        engine = Engine(cfg.engine, runner, incarnation=self.incarnation, observer=observer)
+        self.engine = engine
+        await self._start_transport(engine, runner)
+        self.registry.register(EngineCollector(engine, self._room_table, self._transport_stats))
+        await engine.start()
+        if cfg.serve_http:
+            api = cfg.api or ApiConfig(served_model_name=cfg.engine.model_name)
+            app = build_app(engine, api, self.registry)
+            self._http, self.port = await start_http(app, cfg.host, cfg.port)
+            logger.info("%s server ready at %s", cfg.role, self.url)
+
+    def _transport_config(self) -> TransportConfig:
+        tc = self.config.transport or TransportConfig(engine_id=self.config.engine.engine_id)
+        return replace(tc, incarnation=self.incarnation)
+
+    async def _start_transport(self, engine: Engine, runner: ModelRunner) -> None:
+        # Pages a transport releases (room final, fence lifted) go back to the engine's allocator.
+        def release(_room_id: str, pages: list[int]) -> None:
+            engine.free_pages(pages)
+
+        role = self.config.role
+        if role == "prefill":
+            self.sender = KVSender(self._transport_config(), runner.kv_pool, release)
+            await self.sender.start()
+            engine.attach_handoff(PrefillHandoff(engine, self.sender), self.sender.bootstrap_port)
+        elif role == "decode":
+            self.receiver = KVReceiver(self._transport_config(), runner.kv_pool, release)
+            await self.receiver.start()
+            engine.attach_handoff(DecodeHandoff(engine, self.receiver))
+
+    def _room_table(self) -> Any:
+        transport = self.sender or self.receiver
+        return transport.table if transport is not None else None
+
+    def _transport_stats(self) -> dict[str, Any]:
+        transport = self.sender or self.receiver
+        return dict(transport.stats) if transport is not None else {}
+
+    async def stop(self) -> None:
+        if self._http is not None:
+            await self._http.cleanup()
+            self._http = None
+        if self.engine is not None:
+            await self.engine.stop()
+        for transport in (self.sender, self.receiver):
+            if transport is not None:
+                await transport.stop()
+
+    # ---- in-process API (no HTTP) -----------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int] | list[dict[str, Any]],
+        *,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[GenerateOutput]:
+        """Stream deltas for a prompt (text, token ids, or chat messages) on a colocated server."""
+        assert self.engine is not None, "call start() first"
+        tok = self.engine.tokenizer
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            ids = tok.encode(tok.apply_chat_template(prompt), add_special_tokens=False)  # type: ignore[arg-type]
+        else:
+            ids = list(prompt)  # type: ignore[arg-type]
+        req = GenerateRequest(
+            request_id or f"embed-{uuid.uuid4().hex}", ids, SamplingParams(**sampling)
+        )
+        async for out in self.engine.generate(req):
+            yield out
