@@ -41,15 +41,18 @@ class OutputState:
         text_ids = [t for t in new_ids if t not in self._stop_ids]
         prev_len = len(self._text)
         self._text += self._detok.step(text_ids) if text_ids else ""
+        seq = self.seq
+        if finish is None and (
+            seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            finish = "length"
+        if finish is not None:
+            self._text += self._detok.flush()  # the end of the stream: nothing more to wait for
         end = len(self._text)
-        if self._stops and finish is None:
+        if self._stops:
             hit = self._find_stop(prev_len)
             if hit is not None:
                 end, stop_reason, finish = hit[0], hit[1], "stop"
-        if finish is None:
-            seq = self.seq
-            if seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish = "length"
         if finish is None:
             end = max(self._num_sent_chars, end - self._hold)
         delta = self._text[self._num_sent_chars : end]

@@ -1,0 +1,158 @@
+"""The colocated engine in-process: generation, batching, stops, aborts, deadlines, preemption."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.engine.config import EngineConfig, RequestDeadlines
+from pdserve.engine.engine import Engine
+from pdserve.engine.protocol import EngineError, GenerateOutput, GenerateRequest
+from pdserve.generate import generate as offline_generate
+from pdserve.model_runner import ModelRunner
+from pdserve.sampling_params import SamplingParams
+
+
+async def started(runner: ModelRunner, **cfg: object) -> Engine:
+    engine = Engine(EngineConfig(**cfg), runner, incarnation="test")
+    await engine.start()
+    return engine
+
+
+async def collect(engine: Engine, rid: str, ids: list[int], **sp: object) -> list[GenerateOutput]:
+    req = GenerateRequest(rid, ids, SamplingParams(**sp))
+    return [out async for out in engine.generate(req)]
+
+
+def tokens(outs: list[GenerateOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+async def assert_idle(engine: Engine, timeout_s: float = 10.0) -> None:
+    """Requests are gone at once; pages of a request that ended mid-step come back at step end."""
+    assert engine.debug_requests() == []
+    assert all(n == 0 for n in engine.count_by_state().values())
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while engine.allocator.num_free != engine.allocator.num_pages:
+        assert asyncio.get_running_loop().time() < deadline, "pages not freed"
+        await asyncio.sleep(0.005)  # poll with a deadline
+    engine.allocator.check_integrity()
+
+
+async def test_greedy_generation_equals_offline_runner_loop(runner: ModelRunner):
+    engine = await started(runner)
+    try:
+        prompt = runner.tokenizer.encode("Hello world")
+        outs = await collect(engine, "r1", prompt, max_tokens=10, temperature=0, ignore_eos=True)
+        offline = offline_generate(runner, [prompt], SamplingParams(max_tokens=10, temperature=0,
+                                                                     ignore_eos=True))  # fmt: skip
+        assert tokens(outs) == offline[0].token_ids
+        assert outs[-1].finish_reason == "length" and outs[-1].num_generated_tokens == 10
+        assert "".join(o.text for o in outs) == runner.tokenizer.decode(tokens(outs))
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_concurrent_requests_batch_and_match_solo_runs(runner: ModelRunner):
+    engine = await started(runner)
+    try:
+        prompts = [runner.tokenizer.encode("x " * n) for n in (1, 5, 17, 33)]
+        sp = dict(max_tokens=8, temperature=0, ignore_eos=True)
+        together = await asyncio.gather(
+            *(collect(engine, f"c{i}", p, **sp) for i, p in enumerate(prompts))
+        )
+        for i, p in enumerate(prompts):
+            alone = await collect(engine, f"s{i}", p, **sp)
+            assert tokens(together[i]) == tokens(alone)
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_stop_string_is_trimmed_and_never_streamed(runner: ModelRunner):
+    engine = await started(runner)
+    try:
+        prompt = runner.tokenizer.encode("abc")
+        free = await collect(engine, "f", prompt, max_tokens=12, temperature=0, ignore_eos=True)
+        text = "".join(o.text for o in free)
+        stop = text[3:6]
+        assert stop.strip(), "need a visible stop string"
+        outs = await collect(
+            engine, "s", prompt, max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]
+        )
+        streamed = "".join(o.text for o in outs)
+        assert streamed == text[: text.index(stop)]
+        assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_abort_ends_stream_and_frees_pages(runner: ModelRunner):
+    engine = await started(runner)
+    try:
+        req = GenerateRequest("a", [1, 2, 3], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        seen = 0
+        async for out in engine.generate(req):
+            seen += 1
+            if seen == 3:
+                assert await engine.abort("a")
+            if out.finish_reason:
+                assert out.finish_reason == "abort"
+        assert not await engine.abort("a")  # a finished request cannot be aborted again
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_consumer_that_goes_away_aborts_its_request(runner: ModelRunner):
+    engine = await started(runner)
+    try:
+        gen = engine.generate(GenerateRequest("g", [5, 6], SamplingParams(max_tokens=10_000)))
+        await anext(gen)
+        await gen.aclose()
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_queue_deadline_fails_waiting_request_with_504(runner: ModelRunner):
+    engine = await started(runner, deadlines=RequestDeadlines(waiting_s=0.0))
+    try:
+        with pytest.raises(EngineError) as err:
+            await collect(engine, "t", [1, 2, 3], max_tokens=4)
+        assert err.value.status == 504 and "waiting" in err.value.message
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_duplicate_request_id_is_rejected_while_live(runner: ModelRunner):
+    engine = await started(runner)
+    try:
+        gen = engine.generate(GenerateRequest("d", [1], SamplingParams(max_tokens=10_000)))
+        await anext(gen)
+        with pytest.raises(EngineError) as err:
+            await collect(engine, "d", [1], max_tokens=2)
+        assert err.value.status == 409
+        await gen.aclose()
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_preemption_under_page_pressure_keeps_greedy_outputs(small_runner: ModelRunner):
+    engine = await started(small_runner)
+    try:
+        prompts = [[7 + i] * 6 for i in range(4)]
+        sp = dict(max_tokens=20, temperature=0, ignore_eos=True)
+        solo = [tokens(await collect(engine, f"s{i}", p, **sp)) for i, p in enumerate(prompts)]
+        together = await asyncio.gather(
+            *(collect(engine, f"c{i}", p, **sp) for i, p in enumerate(prompts))
+        )
+        assert [tokens(t) for t in together] == solo
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
