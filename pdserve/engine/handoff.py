@@ -159,7 +159,7 @@ class DecodeHandoff(Handoff):
             req.pages_in_room = False
             self.engine.fail(req, EngineError(f"bootstrap_error: {e}", 503, "service_unavailable"))
             return
-        outcome = await room.done
+        outcome = await asyncio.shield(room.done)
         if outcome.state == RoomState.SUCCESS:
             req.pages_in_room = False
             if req.is_finished:  # ended meanwhile (abort raced the last write): pages are ours
