@@ -1,0 +1,72 @@
+"""The worker's aiohttp application (:func:`build_app`) and its listener (:func:`start_http`)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from pdserve.api import admin, openai
+from pdserve.api.config import ApiConfig
+from pdserve.api.logprobs import TokenTexts
+from pdserve.api.metrics import HttpMetrics
+from pdserve.api.middleware import auth_middleware, error_middleware, metrics_middleware
+from pdserve.api.state import API_CONTEXT, ApiContext
+from pdserve.engine.protocol import EngineClient
+
+
+def build_app(
+    engine: EngineClient, config: ApiConfig, registry: CollectorRegistry
+) -> web.Application:
+    """OpenAI-compatible API plus health, metrics, server_info, debug and abort endpoints.
+
+    Registers the HTTP metrics in ``registry`` (so one registry serves one app) and serves the
+    whole registry at ``/metrics``.
+    """
+    metrics = HttpMetrics.create(registry)
+    middlewares = [metrics_middleware(metrics), error_middleware(metrics)]
+    if config.api_key is not None:
+        middlewares.append(auth_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares)
+    app[API_CONTEXT] = ApiContext(
+        engine=engine,
+        config=config,
+        metrics=metrics,
+        token_texts=TokenTexts(engine.tokenizer),
+        created=int(time.time()),
+    )
+    app.router.add_post("/v1/chat/completions", openai.chat_completions)
+    app.router.add_post("/v1/completions", openai.completions)
+    app.router.add_get("/v1/models", openai.list_models, allow_head=False)
+    app.router.add_get("/v1/models/{model}", openai.retrieve_model, allow_head=False)
+    app.router.add_get("/health", admin.health)
+    app.router.add_get("/health/ready", admin.ready)
+    app.router.add_get("/metrics", admin.metrics_handler(registry), allow_head=False)
+    app.router.add_get("/server_info", admin.server_info, allow_head=False)
+    app.router.add_get("/debug/requests", admin.debug_requests, allow_head=False)
+    app.router.add_get("/debug/rooms", admin.debug_rooms, allow_head=False)
+    app.router.add_post("/abort/{request_id}", admin.abort)
+    return app
+
+
+async def start_http(
+    app: web.Application, host: str, port: int, access_log: bool = False
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` (0 = ephemeral); returns the runner and the bound port.
+
+    ``handler_cancellation=True``: a client that disconnects cancels its handler, whose cleanup
+    aborts the request in the engine. Stop with ``await runner.cleanup()``.
+    """
+    # access_log=None switches aiohttp's per-request access logging off.
+    log_kwargs = {} if access_log else {"access_log": None}
+    runner = web.AppRunner(app, handler_cancellation=True, **log_kwargs)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_port = runner.addresses[0][1]
+    return runner, bound_port

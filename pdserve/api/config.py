@@ -1,0 +1,31 @@
+"""Configuration of a worker's OpenAI-compatible HTTP layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """Limits and identity of the HTTP API; built by the server from its CLI flags.
+
+    ``request_deadline_s`` is handed to the engine as each request's overall deadline; the HTTP
+    layer also enforces it (plus ``deadline_grace_s``) as a backstop so no client waits forever.
+    """
+
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 * MiB
+    max_n: int = 16  # choices per HTTP request (n x number of prompts)
+    max_stop_strings: int = 16
+    max_stop_len: int = 256
+    max_top_logprobs: int = 20
+    default_max_tokens: int = 256
+    request_deadline_s: float | None = None
+    deadline_grace_s: float = 2.0
+    body_read_timeout_s: float = 30.0  # a client trickling its body must not hold a handler
+    write_timeout_s: float = 30.0  # a client that stops reading its stream counts as gone
+    abort_timeout_s: float = 5.0  # bound on engine.abort() during cleanup
+    max_inline_tokenize_chars: int = 32_768  # longer prompts are tokenized off the event loop

@@ -1,0 +1,104 @@
+"""Which top-level request fields each endpoint accepts, ignores, or refuses (OpenAI conventions).
+
+- supported: parsed and honoured;
+- ignored: OpenAI fields with no effect on generation here (accepted, dropped);
+- conditional: OpenAI fields we can only honour at their neutral value; anything else is a 400
+  naming the field, so a client never silently gets something other than what it asked for;
+- anything else: ``Unrecognized request argument supplied: <name>`` (what OpenAI answers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.api.errors import unrecognized_argument, unsupported
+
+# Extensions beyond OpenAI that vLLM-style clients and the router send.
+_EXTENSIONS = frozenset(
+    {"top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "kv_transfer_params"}
+)
+_COMMON = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+    }
+)
+CHAT_SUPPORTED = _COMMON | _EXTENSIONS | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_SUPPORTED = _COMMON | _EXTENSIONS | {"prompt"}
+
+CHAT_IGNORED = frozenset(
+    {
+        "user",
+        "store",
+        "metadata",
+        "service_tier",
+        "parallel_tool_calls",  # harmless: non-empty tools are refused below
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
+COMPLETION_IGNORED = frozenset({"user"})
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == [] or value == {} or value == ""
+
+
+# name -> (is the value harmless, what we say when it is not)
+Rule = tuple[Callable[[Any], bool], str]
+
+CHAT_CONDITIONAL: dict[str, Rule] = {
+    "tools": (_is_empty, "tool calling is not available"),
+    "tool_choice": (lambda v: v in (None, "none"), "only 'none' is accepted"),
+    "functions": (_is_empty, "function calling is not available"),
+    "function_call": (lambda v: v in (None, "none"), "only 'none' is accepted"),
+    "response_format": (
+        lambda v: v is None or v == {"type": "text"},
+        "only {'type': 'text'} is accepted",
+    ),
+    "logit_bias": (_is_empty, "logit_bias must be empty"),
+    "modalities": (lambda v: v is None or v == ["text"], "only ['text'] is accepted"),
+    "audio": (lambda v: v is None, "audio output is not available"),
+    "prediction": (lambda v: v is None, "predicted outputs are not available"),
+    "reasoning_effort": (lambda v: v is None, "this model has no reasoning effort setting"),
+    "web_search_options": (lambda v: v is None, "web search is not available"),
+    "verbosity": (lambda v: v is None, "this model has no verbosity setting"),
+}
+COMPLETION_CONDITIONAL: dict[str, Rule] = {
+    "echo": (lambda v: v is None or v is False, "only echo=false is accepted"),
+    "best_of": (
+        lambda v: v is None or (v == 1 and not isinstance(v, bool)),
+        "only best_of=1 is accepted",
+    ),
+    "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not available"),
+    "logit_bias": (_is_empty, "logit_bias must be empty"),
+}
+
+
+def check_fields(
+    body: dict[str, Any],
+    supported: frozenset[str],
+    ignored: frozenset[str],
+    conditional: dict[str, Rule],
+) -> None:
+    """Raise the OpenAI-style 400 for the first field that is unknown or cannot be honoured."""
+    for name, value in body.items():
+        if name in supported or name in ignored:
+            continue
+        rule = conditional.get(name)
+        if rule is None:
+            raise unrecognized_argument(name)
+        is_harmless, detail = rule
+        if not is_harmless(value):
+            raise unsupported(name, detail)

@@ -1,0 +1,83 @@
+"""OpenAI endpoint handlers: thin glue from HTTP to parsing, preparation and serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from pdserve.api.body import read_json_object
+from pdserve.api.errors import model_not_found
+from pdserve.api.prepare import prepare_chat, prepare_completion
+from pdserve.api.protocol import (
+    parse_chat_request,
+    parse_completion_request,
+    resolve_request_id,
+)
+from pdserve.api.responses import ChatResponseBuilder, CompletionResponseBuilder
+from pdserve.api.serve import serve_prepared
+from pdserve.api.state import ApiContext, api_context
+
+
+async def _read(request: web.Request, ctx: ApiContext) -> dict[str, Any]:
+    config = ctx.config
+    return await read_json_object(request, config.max_body_bytes, config.body_read_timeout_s)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions"""
+    ctx = api_context(request)
+    body = await _read(request, ctx)
+    rid = resolve_request_id(request.headers.get("X-Request-Id"), "chatcmpl")
+    engine = ctx.engine
+    parsed = parse_chat_request(body, ctx.config, engine.tokenizer.vocab_size)
+    prepared = await prepare_chat(
+        parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
+    )
+    return await serve_prepared(
+        request, ctx, prepared, ChatResponseBuilder(prepared, ctx.token_texts)
+    )
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions"""
+    ctx = api_context(request)
+    body = await _read(request, ctx)
+    rid = resolve_request_id(request.headers.get("X-Request-Id"), "cmpl")
+    engine = ctx.engine
+    parsed = parse_completion_request(body, ctx.config, engine.tokenizer.vocab_size)
+    prepared = await prepare_completion(
+        parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
+    )
+    builder = CompletionResponseBuilder(prepared, ctx.token_texts)
+    return await serve_prepared(request, ctx, prepared, builder)
+
+
+def _model_card(ctx: ApiContext) -> dict[str, Any]:
+    return {
+        "id": ctx.config.served_model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "pdserve",
+        "max_model_len": ctx.engine.info.max_model_len,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models"""
+    ctx = api_context(request)
+    return _json({"object": "list", "data": [_model_card(ctx)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}"""
+    ctx = api_context(request)
+    model = request.match_info["model"]
+    if model != ctx.config.served_model_name:
+        raise model_not_found(model)
+    return _json(_model_card(ctx))
+
+
+def _json(payload: dict[str, Any]) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")

@@ -1,0 +1,32 @@
+"""What handlers find in the app: one typed ApiContext under the API_CONTEXT key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pdserve.api.config import ApiConfig
+from pdserve.api.logprobs import TokenTexts
+from pdserve.api.metrics import HttpMetrics
+from pdserve.engine.protocol import EngineClient
+
+
+@dataclass(frozen=True)
+class ApiContext:
+    engine: EngineClient
+    config: ApiConfig
+    metrics: HttpMetrics
+    token_texts: TokenTexts
+    created: int  # advertised as the model's creation time in /v1/models
+
+
+API_CONTEXT: web.AppKey[ApiContext] = web.AppKey("pdserve_api_context", ApiContext)
+
+
+def api_context(request: web.Request) -> ApiContext:
+    return request.app[API_CONTEXT]
+
+
+# Set by a streaming handler whose client vanished mid-stream (its status is already 200).
+CLIENT_GONE: web.RequestKey[bool] = web.RequestKey("pdserve_client_gone", bool)
