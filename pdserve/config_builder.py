@@ -66,7 +66,12 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         runner=runner,
         engine=engine,
         transport=transport,
-        api=ApiConfig(served_model_name=model_name, api_key=api_key),
+        api=ApiConfig(
+            served_model_name=model_name,
+            api_key=api_key,
+            max_body_bytes=args.max_body_kb << 10,
+            request_deadline_s=args.timeout_request,
+        ),
         host=args.host,
         port=args.port if args.port is not None else DEFAULT_PORTS[args.role],
     )
