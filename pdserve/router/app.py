@@ -1,0 +1,275 @@
+"""The router's aiohttp app and the :class:`Router` that owns it, its ClientSession, the
+health checker and the dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import random
+import re
+import uuid
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import error_response
+from pdserve.router.legs import UpstreamClient
+from pdserve.router.metrics import build_registry
+from pdserve.router.proxy import Dispatcher
+from pdserve.router.stats import RouterStats
+from pdserve.router.workers import HealthChecker, WorkerManager
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})
+_ID_PREFIX = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-"}
+
+
+class Router:
+    """PD-aware OpenAI-compatible router. ``async with Router(cfg) as router: ...``."""
+
+    def __init__(self, config: RouterConfig, *, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.rng = rng or random.Random()
+        self.workers = WorkerManager(config)
+        for role, urls in (
+            ("prefill", config.prefill_urls),
+            ("decode", config.decode_urls),
+            ("colocated", config.worker_urls),
+        ):
+            for url in urls:
+                self.workers.add(url, role)
+        self.stats = RouterStats()
+        self.registry = build_registry(self.stats, self.workers)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._health: HealthChecker | None = None
+        self._dispatcher: Dispatcher | None = None
+        self._stop = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with ``port=0``)."""
+        if self._port is None:
+            raise RuntimeError("router not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Base URL clients use, e.g. ``http://127.0.0.1:30000``."""
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def health(self) -> HealthChecker:
+        """The health checker; ``await router.health.check_all()`` forces a probe round."""
+        if self._health is None:
+            raise RuntimeError("router not started")
+        return self._health
+
+    async def start(self) -> None:
+        """Bind the HTTP server and start health checks (workers may come up later)."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # e.g. the port is taken: do not leak the session
+            raise
+
+    async def _start(self) -> None:
+        cfg = self.config
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(
+                total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
+            ),
+            connector=aiohttp.TCPConnector(limit=0),
+        )
+        self._health = HealthChecker(cfg, self.workers, self._session)
+        upstream = UpstreamClient(cfg, self._session)
+        self._dispatcher = Dispatcher(
+            cfg, self.workers, upstream, self.stats, self.rng, self._spawn
+        )
+        self._runner = web.AppRunner(
+            self._build_app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=cfg.abort_timeout_s,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        await site.start()
+        self._port = self._runner.addresses[0][1]
+        self._health_task = asyncio.create_task(self._health.run(self._stop))
+        logger.info("router listening on %s (policy %s)", self.url, cfg.policy)
+
+    async def stop(self) -> None:
+        """Stop serving; in-flight requests are cancelled and their legs aborted."""
+        self._stop.set()
+        if self._health_task is not None:
+            await asyncio.wait({self._health_task}, timeout=self.config.health_timeout_s)
+            self._health_task.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._background:  # abort calls spawned by cancelled handlers get a short grace
+            await asyncio.wait(set(self._background), timeout=self.config.abort_timeout_s)
+            for task in self._background:
+                task.cancel()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        logger.info("router stopped")
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._error_middleware, self._auth_middleware],
+            client_max_size=self.config.max_body_bytes,
+        )
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._alive)
+        app.router.add_get("/health/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/abort/{request_id}", self._abort)
+        app.router.add_get("/workers", self._list_workers)
+        app.router.add_post("/workers", self._add_worker)
+        app.router.add_delete("/workers", self._remove_worker)
+        app.router.add_get("/debug/requests", self._debug_requests)
+        return app
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.text or exc.reason)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            logger.exception("router: unexpected error on %s %s", request.method, request.path)
+            return error_response(500, "internal router error", err_type="server_error")
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        key = self.config.api_key
+        if key and request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return error_response(401, "invalid or missing API key", code="invalid_api_key")
+        return await handler(request)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        rid = request.headers.get("X-Request-Id")
+        if rid is None:
+            rid = _ID_PREFIX[request.path] + uuid.uuid4().hex
+        elif not _REQUEST_ID_RE.fullmatch(rid):
+            return error_response(400, "X-Request-Id must be 1-128 chars of [A-Za-z0-9._:-]")
+        assert self._dispatcher is not None
+        if self._dispatcher.is_active(rid):
+            return error_response(409, f"request id {rid} is already in flight")
+        return await self._dispatcher.handle(request, request.path, body, raw, rid)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        headers = {}
+        if self.config.worker_api_key:
+            headers["Authorization"] = f"Bearer {self.config.worker_api_key}"
+        for role in ("decode", "colocated", "prefill"):
+            for worker in self.workers.available(role):
+                try:
+                    async with self._session.get(
+                        f"{worker.url}/v1/models", timeout=timeout, headers=headers
+                    ) as resp:
+                        if resp.status == 200:
+                            return web.Response(
+                                body=await resp.read(), content_type="application/json"
+                            )
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    logger.info("GET /v1/models from %s failed: %s", worker.url, exc)
+        return error_response(503, "no healthy worker to list models")
+
+    async def _alive(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        is_ready = self.workers.has_complete_path()
+        counts = {
+            role: len(self.workers.available(role)) for role in ("prefill", "decode", "colocated")
+        }
+        body = {"ready": is_ready, "available": counts}
+        return web.json_response(body, status=200 if is_ready else 503, dumps=_dumps)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        assert self._dispatcher is not None
+        rid = request.match_info["request_id"]
+        return web.json_response({"aborted": self._dispatcher.abort(rid)}, dumps=_dumps)
+
+    async def _debug_requests(self, request: web.Request) -> web.Response:
+        assert self._dispatcher is not None
+        return web.json_response({"data": self._dispatcher.debug_requests()}, dumps=_dumps)
+
+    async def _list_workers(self, request: web.Request) -> web.Response:
+        data = [w.to_json() for w in self.workers.all()]
+        return web.json_response({"data": data}, dumps=_dumps)
+
+    async def _add_worker(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return error_response(400, "request body is not valid JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            return error_response(400, 'expected {"url": str, "role": str}', param="url")
+        try:
+            worker = self.workers.add(body["url"], body.get("role", ""))
+        except ValueError as exc:
+            status = 409 if "already registered" in str(exc) else 400
+            return error_response(status, str(exc))
+        await self.health.check(worker)  # bounded by health_timeout_s; answer with real state
+        return web.json_response(worker.to_json(), status=201, dumps=_dumps)
+
+    async def _remove_worker(self, request: web.Request) -> web.Response:
+        url = request.query.get("url")
+        if not url:
+            return error_response(400, "missing query parameter url", param="url")
+        if self.workers.remove(url) is None:
+            return error_response(404, f"no worker registered at {url}", param="url")
+        return web.json_response({"removed": url}, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()

@@ -1,0 +1,312 @@
+"""One attempt of a request over one path: start the legs at once, wait for the primary's
+first event while watching the prefill leg, send the answer to the client, and on any
+abnormal end cancel what still runs and abort what a worker may still hold.
+
+A *path* is a prefill+decode pair (PD) or one colocated worker. The *primary* leg is the one
+whose answer goes to the client (decode or colocated); the prefill leg's body is discarded
+unless it is an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from pdserve.router.attempt_types import (
+    DONE_EVENT,
+    OK,
+    OUTCOME_BY_KIND,
+    PENDING,
+    REPLY_ERROR,
+    TRANSPORT_ERROR,
+    AttemptEnv,
+    AttemptFailed,
+    ClientGone,
+    Committed,
+    Leg,
+    Plan,
+    build_leg_bodies,
+)
+from pdserve.router.errors import sse_error_event
+from pdserve.router.legs import LegError, PrimaryStart, WriteFn, pump_events
+from pdserve.router.workers import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class Attempt:
+    """Runs one try of one request over one path; :meth:`run` either returns the committed
+    response or raises :class:`AttemptFailed` (nothing reached the client) / ``ClientGone``."""
+
+    def __init__(
+        self, env: AttemptEnv, plan: Plan, request_id: str, client_request_id: str, path: str
+    ) -> None:
+        self._env = env
+        self.plan = plan
+        self.request_id = request_id  # sent to the workers; differs from the client's on retries
+        self.client_request_id = client_request_id
+        self.path = path
+        self.room_id: str | None = None
+        self.legs: list[Leg] = []
+        # Set once the client has the stream's final ``data: [DONE]``: a client that hangs up
+        # after that (before the upstream's end of body) did not abandon anything.
+        self.delivered_status: int | None = None
+
+    @property
+    def _prefill(self) -> Leg | None:
+        return self.legs[0] if len(self.legs) == 2 else None
+
+    @property
+    def _primary(self) -> Leg:
+        return self.legs[-1]
+
+    async def run(
+        self, request: web.Request, body: dict[str, Any], raw_body: bytes, started: float
+    ) -> Committed:
+        """Run the attempt; raises AttemptFailed (nothing sent yet) or ClientGone."""
+        self._start_legs(body, raw_body)
+        is_clean = False
+        try:
+            start = await self._await_first_byte()
+            self._env.stats.first_byte_latency.observe(time.monotonic() - started)
+            committed, is_clean = await self._commit(request, start)
+            return committed
+        finally:
+            self._finish(is_clean or self.delivered_status is not None)
+
+    def abort_legs(self) -> None:
+        """Forward an abort to every leg (the ``POST /abort/{rid}`` of the router)."""
+        for leg in self.legs:
+            self._env.spawn(self._abort_leg(leg))
+
+    def _start_legs(self, body: dict[str, Any], raw_body: bytes) -> None:
+        plan, upstream = self.plan, self._env.upstream
+        if plan.prefill is None:
+            primary_body = raw_body
+            if "kv_transfer_params" in body:
+                stripped = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+                primary_body = orjson.dumps(stripped)
+        else:
+            self.room_id = uuid.uuid4().hex
+            kv = {
+                "room_id": self.room_id,
+                "bootstrap_host": plan.prefill.host,
+                "bootstrap_port": plan.prefill.info.bootstrap_port if plan.prefill.info else None,
+            }
+            prefill_body, primary_body = build_leg_bodies(body, kv)
+            coro = upstream.run_prefill(plan.prefill, self.path, self.request_id, prefill_body)
+            self.legs.append(self._new_leg(plan.prefill, coro))
+        coro = upstream.open_primary(plan.primary, self.path, self.request_id, primary_body)
+        self.legs.append(self._new_leg(plan.primary, coro))
+        logger.debug(
+            "rid=%s: attempt started room=%s prefill=%s primary=%s",
+            self.request_id,
+            self.room_id,
+            plan.prefill.url if plan.prefill else None,
+            plan.primary.url,
+        )
+
+    def _new_leg(self, worker: Worker, coro: Coroutine[Any, Any, Any]) -> Leg:
+        worker.breaker.on_attempt()
+        worker.num_in_flight += 1
+        task = asyncio.create_task(coro)
+        task.add_done_callback(_retrieve_exception)
+        return Leg(worker, task)
+
+    async def _await_first_byte(self) -> PrimaryStart:
+        """Wait for the primary's first event while watching the prefill leg; the first failure
+        of either fails the attempt (``_finish`` then cancels and aborts the other leg)."""
+        prefill, primary = self._prefill, self._primary
+        waiting = {leg.task for leg in self.legs}
+        loop = asyncio.get_running_loop()
+        timeout_s = self._env.config.effective_first_byte_timeout_s
+        deadline = loop.time() + timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            done: set[asyncio.Task[Any]] = set()
+            if remaining > 0:
+                done, _ = await asyncio.wait(
+                    waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+            if not done:
+                # The leg that has not answered is the one holding things up.
+                blame = prefill if prefill is not None and prefill.outcome == PENDING else primary
+                self._verdict(blame, ok=False, reason="first byte timeout")
+                raise AttemptFailed(
+                    f"no first byte within {timeout_s:g}s", status=504, blame=blame.worker
+                )
+            waiting -= done
+            if prefill is not None and prefill.task in done:
+                self._settle(prefill)
+            if primary.task in done:
+                self._settle(primary)
+                primary.start = primary.task.result()
+                return primary.start
+
+    def _settle(self, leg: Leg) -> None:
+        """Record a finished leg's outcome; raises AttemptFailed if it failed."""
+        exc = leg.task.exception()
+        if leg is self._prefill:
+            leg.release_in_flight()  # the primary keeps its slot until its stream ends
+        if exc is None:
+            self._set_outcome(leg, OK, "answered")
+            self._verdict(leg, ok=True)
+            return
+        if not isinstance(exc, LegError):
+            self._set_outcome(leg, TRANSPORT_ERROR, repr(exc))
+            self._verdict(leg, ok=False, reason=repr(exc))
+            raise AttemptFailed(f"{leg.worker.url}: unexpected {exc!r}", blame=leg.worker)
+        self._set_outcome(leg, OUTCOME_BY_KIND.get(exc.kind, REPLY_ERROR), exc.reason)
+        if exc.reply is not None and exc.reply.is_client_error:
+            self._verdict(leg, ok=True)  # the worker is fine; the request is not
+            raise AttemptFailed(str(exc), status=exc.reply.status, reply=exc.reply, is_final=True)
+        self._verdict(leg, ok=False, reason=exc.reason)
+        raise AttemptFailed(str(exc), blame=leg.worker, reply=exc.reply)
+
+    def _set_outcome(self, leg: Leg, outcome: str, reason: str) -> None:
+        logger.debug(
+            "rid=%s room=%s: leg %s %s -> %s (%s)",
+            self.request_id,
+            self.room_id,
+            leg.worker.url,
+            leg.outcome,
+            outcome,
+            reason,
+        )
+        leg.outcome = outcome
+
+    def _verdict(self, leg: Leg, *, ok: bool, reason: str = "") -> None:
+        if leg.has_verdict:
+            return
+        leg.has_verdict = True
+        if ok:
+            leg.worker.breaker.record_success()
+        elif leg.worker.breaker.record_failure(reason):
+            self._env.stats.breaker_opens[leg.worker.url] += 1
+
+    async def _commit(self, request: web.Request, start: PrimaryStart) -> tuple[Committed, bool]:
+        """Send the primary's answer to the client; returns (committed, ended cleanly)."""
+        status = start.response.status
+        logger.debug("rid=%s: committed status=%d sse=%s", self.request_id, status, start.is_sse)
+        if not start.is_sse:
+            await self._settle_late_prefill()
+            headers = {
+                "X-Request-Id": self.client_request_id,
+                "Content-Type": start.response.content_type,
+            }
+            response = web.Response(status=status, body=start.first, headers=headers)
+            return Committed(response, str(status)), True
+        out = web.StreamResponse(
+            status=status,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.client_request_id,
+            },
+        )
+        timeout_s = self._env.config.request_timeout_s
+        try:
+            # Bounds a client that stops reading as well as a worker that stops writing.
+            async with asyncio.timeout(timeout_s):
+                await out.prepare(request)
+                write = self._writer(out, status)
+                await write(start.first)
+                await pump_events(self._primary.worker, start, write)
+        except ConnectionResetError as exc:
+            raise ClientGone(out, str(exc)) from exc
+        except (LegError, TimeoutError) as exc:
+            reason = exc.reason if isinstance(exc, LegError) else f"over {timeout_s:g}s"
+            await self._end_broken_stream(out, reason)
+            return Committed(out, "stream_error"), False
+        await self._settle_late_prefill()
+        return Committed(out, str(status)), True
+
+    def _writer(self, out: web.StreamResponse, status: int) -> WriteFn:
+        async def write(data: bytes) -> None:
+            await out.write(data)
+            if data.endswith(DONE_EVENT):
+                self.delivered_status = status
+
+        return write
+
+    async def _end_broken_stream(self, out: web.StreamResponse, reason: str) -> None:
+        # Bytes already reached the client: no retry; end the stream with an error + [DONE].
+        primary = self._primary
+        self._set_outcome(primary, TRANSPORT_ERROR, reason)
+        primary.has_verdict = False  # its first byte counted as a success; this is a failure
+        self._verdict(primary, ok=False, reason=reason)
+        logger.warning("rid=%s: stream broke after first byte: %s", self.request_id, reason)
+        event = sse_error_event(f"upstream stream broke: {reason}", code="stream_broken")
+        with contextlib.suppress(ConnectionResetError, TimeoutError):
+            async with asyncio.timeout(self._env.config.abort_timeout_s):
+                await out.write(event)
+
+    async def _settle_late_prefill(self) -> None:
+        """After the primary ended fine, give a still-running prefill leg a short grace to
+        report; if it does not, ``_finish`` cancels and aborts it."""
+        prefill = self._prefill
+        if prefill is None or prefill.outcome != PENDING:
+            return
+        await asyncio.wait({prefill.task}, timeout=self._env.config.abort_timeout_s)
+        if prefill.task.done():
+            try:
+                self._settle(prefill)
+            except AttemptFailed as failure:
+                logger.warning(
+                    "rid=%s: prefill failed after decode answered: %s", self.request_id, failure
+                )
+
+    def _finish(self, is_clean: bool) -> None:
+        """Cancel what still runs, release slots and trial claims, abort legs a worker may
+        still hold. Synchronous, so it runs fully even while the handler is being cancelled."""
+        for leg in self.legs:
+            if not leg.task.done():
+                leg.task.cancel()
+            _close_response(leg, is_clean)
+            leg.release_in_flight()
+            if not leg.has_verdict:
+                leg.worker.breaker.release()
+            if leg.outcome in (PENDING, TRANSPORT_ERROR) or (not is_clean and leg.outcome == OK):
+                logger.debug(
+                    "rid=%s room=%s: leg %s ended %s -> aborting",
+                    self.request_id,
+                    self.room_id,
+                    leg.worker.url,
+                    leg.outcome,
+                )
+                self._env.spawn(self._abort_leg(leg))
+
+    async def _abort_leg(self, leg: Leg) -> None:
+        self._env.stats.num_aborts_sent += 1
+        await self._env.upstream.post_abort(leg.worker, self.request_id)
+
+
+def _close_response(leg: Leg, is_clean: bool) -> None:
+    start = leg.start
+    if start is None:
+        task = leg.task
+        if not task.done() or task.cancelled() or task.exception() is not None:
+            return
+        start = task.result()  # the primary started, but the other leg failed first
+        is_clean = False
+    if not isinstance(start, PrimaryStart):
+        return
+    if is_clean:
+        start.response.release()
+    else:
+        start.response.close()  # drops the connection: the worker sees its client leave
+
+
+def _retrieve_exception(task: asyncio.Task[Any]) -> None:
+    # Leg failures are read when the attempt needs them; this only silences "exception was
+    # never retrieved" for legs the attempt stopped caring about.
+    if not task.cancelled():
+        task.exception()

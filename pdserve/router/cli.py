@@ -1,0 +1,114 @@
+"""``pdserve router``: parse flags into a RouterConfig and serve until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from pdserve.envs import read_env
+from pdserve.router.app import Router
+from pdserve.router.config import POLICY_NAMES, RouterConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pdserve router`` flags (defaults from RouterConfig)."""
+    d = RouterConfig()
+    p = argparse.ArgumentParser(
+        prog="pdserve router", description="PD-aware OpenAI-compatible router"
+    )
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    for flag, what in (("--prefill", "prefill"), ("--decode", "decode"), ("--worker", "colocated")):
+        p.add_argument(
+            flag, action="append", default=[], metavar="URL", help=f"{what} worker URL, repeatable"
+        )
+    p.add_argument("--policy", choices=POLICY_NAMES, default=d.policy)
+    _add_timing_flags(p, d)
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--api-key", default=None, help="clients' Bearer key ($PDSERVE_API_KEY)")
+    p.add_argument("--worker-api-key", default=None, help="Bearer key for workers (--api-key)")
+    return p
+
+
+def _add_timing_flags(p: argparse.ArgumentParser, d: RouterConfig) -> None:
+    seconds = [
+        ("--health-interval", d.health_interval_s, "seconds between health checks"),
+        ("--health-timeout", d.health_timeout_s, "bound on one health probe"),
+        ("--request-timeout", d.request_timeout_s, "bound on one leg / one streamed answer"),
+        ("--connect-timeout", d.connect_timeout_s, "bound on connecting to a worker"),
+        ("--first-byte-timeout", None, "retry elsewhere if no first event by then"),
+        ("--backoff-base", d.backoff_base_s, "first retry backoff (doubles, with jitter)"),
+        ("--breaker-reset", d.breaker_reset_s, "open breaker turns half-open after this"),
+    ]
+    for flag, default, help_text in seconds:
+        p.add_argument(flag, type=float, default=default, metavar="S", help=help_text)
+
+
+def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -> RouterConfig:
+    """RouterConfig from parsed flags; ``env_api_key`` fills in a missing ``--api-key``."""
+    api_key = args.api_key or env_api_key
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        prefill_urls=tuple(args.prefill),
+        decode_urls=tuple(args.decode),
+        worker_urls=tuple(args.worker),
+        policy=args.policy,
+        health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout,
+        request_timeout_s=args.request_timeout,
+        connect_timeout_s=args.connect_timeout,
+        first_byte_timeout_s=args.first_byte_timeout,
+        max_attempts=args.max_attempts,
+        backoff_base_s=args.backoff_base,
+        breaker_failures=args.breaker_failures,
+        breaker_reset_s=args.breaker_reset,
+        api_key=api_key,
+        worker_api_key=args.worker_api_key or api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run a router until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Router(config) as router:
+        print(f"pdserve router ready at {router.url}", flush=True)
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point (``pdserve router ...``); returns the exit status."""
+    env = read_env()
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=env.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    try:
+        config = config_from_args(args, env.api_key)
+    except ValueError as exc:
+        print(f"pdserve router: {exc}", file=sys.stderr)
+        return 2
+    if not (config.prefill_urls or config.decode_urls or config.worker_urls):
+        logger.warning("no workers given; add them at run time with POST /workers")
+    try:
+        import uvloop  # noqa: PLC0415 - optional, faster event loop when installed
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config))
+    return 0

@@ -1,0 +1,100 @@
+"""Router configuration: one frozen dataclass, validated once, passed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+POLICY_NAMES = ("round_robin", "random", "power_of_two")
+WORKER_ROLES = ("prefill", "decode", "colocated")
+
+
+def normalize_worker_url(url: str) -> str:
+    """Canonical form of a worker base URL (``http://host:port``, no trailing slash).
+
+    Raises ``ValueError`` for anything that is not a plain http(s) URL with a host and a port,
+    because the router derives the prefill bootstrap host from it.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError("worker url must be a non-empty string")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"worker url must look like http://host:port, got {url!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"worker url has an invalid port: {url!r}") from exc
+    if port is None:
+        raise ValueError(f"worker url needs an explicit port: {url!r}")
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise ValueError(f"worker url must be a base URL without path or query: {url!r}")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs; see ``pdserve router --help`` for the CLI names.
+
+    ``first_byte_timeout_s`` bounds the wait for the decode (or colocated) leg's first event;
+    when it fires the attempt is retried elsewhere. ``None`` means ``request_timeout_s``.
+    ``worker_api_key`` is sent as a Bearer token on every call to a worker (requests, health
+    checks, aborts); ``api_key`` is what clients must present to the router.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    worker_urls: tuple[str, ...] = ()  # colocated workers: plain load balancing
+    policy: str = "round_robin"
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float | None = None
+    abort_timeout_s: float = 2.0
+    max_attempts: int = 3
+    backoff_base_s: float = 0.05
+    max_backoff_s: float = 2.0
+    breaker_failures: int = 3
+    breaker_reset_s: float = 5.0
+    api_key: str | None = None
+    worker_api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_urls", "decode_urls", "worker_urls"):
+            urls = tuple(normalize_worker_url(u) for u in getattr(self, name))
+            object.__setattr__(self, name, urls)
+        all_urls = self.prefill_urls + self.decode_urls + self.worker_urls
+        if len(set(all_urls)) != len(all_urls):
+            raise ValueError("a worker url is listed more than once")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.max_attempts < 1 or self.breaker_failures < 1:
+            raise ValueError("max_attempts and breaker_failures must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        for name in (
+            "health_interval_s",
+            "health_timeout_s",
+            "request_timeout_s",
+            "connect_timeout_s",
+            "abort_timeout_s",
+            "breaker_reset_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.first_byte_timeout_s is not None and not self.first_byte_timeout_s > 0:
+            raise ValueError("first_byte_timeout_s must be > 0 or None")
+        if self.backoff_base_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("backoff times must be >= 0")
+
+    @property
+    def effective_first_byte_timeout_s(self) -> float:
+        """The first-byte deadline actually applied (never beyond request_timeout_s)."""
+        if self.first_byte_timeout_s is None:
+            return self.request_timeout_s
+        return min(self.first_byte_timeout_s, self.request_timeout_s)

@@ -1,0 +1,75 @@
+"""Load-balancing policies: pick one worker among the available candidates of one role.
+
+Each role gets its own policy instance (so round robin cycles per role). Candidates are passed
+in a stable order (registration order); policies never see unavailable workers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from pdserve.router.config import POLICY_NAMES
+from pdserve.router.workers import Worker
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[Worker]) -> Worker:
+        """Pick one of ``candidates`` (non-empty)."""
+        ...
+
+
+class RoundRobinPolicy:
+    """Cycles through the candidates in order; a changing candidate set keeps cycling."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Worker]) -> Worker:
+        worker = candidates[self._next % len(candidates)]
+        self._next += 1
+        return worker
+
+
+class RandomPolicy:
+    """Uniform choice, from an injectable (seedable) RNG."""
+
+    name = "random"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, candidates: Sequence[Worker]) -> Worker:
+        return self._rng.choice(candidates)
+
+
+class PowerOfTwoPolicy:
+    """Power of two choices: sample two distinct candidates, keep the one with fewer of the
+    router's own in-flight requests (ties go to the first sampled, which is random)."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, candidates: Sequence[Worker]) -> Worker:
+        if len(candidates) == 1:
+            return candidates[0]
+        first, second = self._rng.sample(list(candidates), 2)
+        return second if second.num_in_flight < first.num_in_flight else first
+
+
+def make_policy(name: str, rng: random.Random) -> Policy:
+    """A fresh policy instance by its config name."""
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "random":
+        return RandomPolicy(rng)
+    if name == "power_of_two":
+        return PowerOfTwoPolicy(rng)
+    raise ValueError(f"unknown policy {name!r}; expected one of {POLICY_NAMES}")

@@ -1,0 +1,214 @@
+"""PD dispatch: the retry loop around :class:`Attempt`, path choice, and the answer to give
+when every attempt failed before the first byte."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.router.attempt import Attempt
+from pdserve.router.attempt_types import (
+    AttemptEnv,
+    AttemptFailed,
+    ClientGone,
+    Plan,
+    Spawn,
+    build_leg_bodies,
+)
+from pdserve.router.config import WORKER_ROLES, RouterConfig
+from pdserve.router.errors import error_response
+from pdserve.router.legs import UpstreamClient
+from pdserve.router.policies import make_policy
+from pdserve.router.stats import RouterStats
+from pdserve.router.workers import Worker, WorkerManager
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Dispatcher", "backoff_s", "build_leg_bodies"]
+
+
+@dataclass(eq=False)
+class RequestCtx:
+    request_id: str
+    path: str
+    body: dict[str, Any]
+    raw_body: bytes
+    started: float
+    attempt: Attempt | None = None  # the current one
+    is_aborted: bool = False
+    outcome: str = "499"  # stats label; stays 499 if the client leaves
+
+
+class Dispatcher:
+    """Serves client requests over the workers, retrying before the first byte."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        workers: WorkerManager,
+        upstream: UpstreamClient,
+        stats: RouterStats,
+        rng: random.Random,
+        spawn: Spawn,
+    ) -> None:
+        self._config = config
+        self._workers = workers
+        self._stats = stats
+        self._rng = rng
+        self._env = AttemptEnv(config, upstream, stats, spawn)
+        self._policies = {role: make_policy(config.policy, rng) for role in WORKER_ROLES}
+        self._active: dict[str, RequestCtx] = {}
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    def debug_requests(self) -> list[dict[str, Any]]:
+        """Every request the router is serving now: id, age, current attempt and its legs."""
+        now = time.monotonic()
+        out = []
+        for ctx in self._active.values():
+            attempt = ctx.attempt
+            legs = attempt.legs if attempt is not None else []
+            out.append(
+                {
+                    "request_id": ctx.request_id,
+                    "path": ctx.path,
+                    "age_s": round(now - ctx.started, 3),
+                    "attempt_request_id": attempt.request_id if attempt else None,
+                    "room_id": attempt.room_id if attempt else None,
+                    "is_aborted": ctx.is_aborted,
+                    "legs": [
+                        {"worker": leg.worker.url, "role": leg.worker.role, "outcome": leg.outcome}
+                        for leg in legs
+                    ],
+                }
+            )
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        """Forward an abort to the current legs of a request; it will not be retried."""
+        ctx = self._active.get(request_id)
+        if ctx is None:
+            return False
+        ctx.is_aborted = True
+        logger.info("rid=%s: abort requested, forwarding to its legs", request_id)
+        if ctx.attempt is not None:
+            ctx.attempt.abort_legs()
+        return True
+
+    async def handle(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        raw_body: bytes,
+        request_id: str,
+    ) -> web.StreamResponse:
+        """Serve one OpenAI request end to end (the caller checked auth and parsed the body)."""
+        ctx = RequestCtx(request_id, path, body, raw_body, time.monotonic())
+        self._active[request_id] = ctx
+        try:
+            return await self._run(request, ctx)
+        except ClientGone as gone:
+            self._count_disconnect(ctx, f"write failed: {gone}")
+            return gone.response
+        except asyncio.CancelledError:
+            delivered = ctx.attempt.delivered_status if ctx.attempt is not None else None
+            if delivered is not None:  # it hung up after [DONE]: nothing was abandoned
+                ctx.outcome = str(delivered)
+                logger.debug("rid=%s: client closed after [DONE]", request_id)
+            else:
+                self._count_disconnect(ctx, "connection lost")
+            raise
+        finally:
+            del self._active[request_id]
+            self._stats.requests_by_status[ctx.outcome] += 1
+            self._stats.latency.observe(time.monotonic() - ctx.started)
+            logger.debug("rid=%s: request ended, outcome=%s", request_id, ctx.outcome)
+
+    def _count_disconnect(self, ctx: RequestCtx, why: str) -> None:
+        ctx.outcome = "499"
+        self._stats.num_client_disconnects += 1
+        logger.info("rid=%s: client disconnected (%s); legs aborted", ctx.request_id, why)
+
+    async def _run(self, request: web.Request, ctx: RequestCtx) -> web.StreamResponse:
+        last: AttemptFailed | None = None
+        excluded: set[str] = set()
+        for attempt_no in range(self._config.max_attempts):
+            if attempt_no:
+                self._stats.num_retries += 1
+                await asyncio.sleep(self._backoff_s(attempt_no))
+            if ctx.is_aborted:
+                break
+            plan = self._choose(excluded)
+            if plan is None:
+                last = AttemptFailed(
+                    "no healthy prefill+decode pair or colocated worker", status=503
+                )
+                logger.info("rid=%s attempt %d: %s", ctx.request_id, attempt_no, last.reason)
+                continue
+            # A retry gets its own id so a worker still tearing down the old one is not confused.
+            rid = ctx.request_id if attempt_no == 0 else f"{ctx.request_id[:120]}.{attempt_no}"
+            ctx.attempt = Attempt(self._env, plan, rid, ctx.request_id, ctx.path)
+            try:
+                committed = await ctx.attempt.run(request, ctx.body, ctx.raw_body, ctx.started)
+            except AttemptFailed as failure:
+                last = failure
+                if failure.blame is not None:
+                    excluded.add(failure.blame.url)
+                logger.info("rid=%s attempt %d failed: %s", ctx.request_id, attempt_no, failure)
+                if failure.is_final:
+                    break
+                continue
+            ctx.outcome = committed.outcome
+            return committed.response
+        return self._failure_response(ctx, last)
+
+    def _failure_response(self, ctx: RequestCtx, last: AttemptFailed | None) -> web.Response:
+        headers = {"X-Request-Id": ctx.request_id}
+        if last is not None and last.reply is not None:
+            reply = last.reply
+            ctx.outcome = str(reply.status)
+            headers["Content-Type"] = reply.content_type or "application/json"
+            return web.Response(status=reply.status, body=reply.body, headers=headers)
+        if ctx.is_aborted:
+            ctx.outcome = "503"
+            return error_response(503, "request aborted", code="aborted", headers=headers)
+        status = last.status if last is not None else 503
+        reason = last.reason if last is not None else "no attempt made"
+        ctx.outcome = str(status)
+        return error_response(status, f"router: {reason}", code="upstream_failed", headers=headers)
+
+    def _backoff_s(self, attempt_no: int) -> float:
+        cfg = self._config
+        return backoff_s(attempt_no, cfg.backoff_base_s, cfg.max_backoff_s, self._rng)
+
+    def _choose(self, excluded: set[str]) -> Plan | None:
+        prefills = self._workers.available("prefill")
+        decodes = self._workers.available("decode")
+        if prefills and decodes:
+            return Plan(
+                self._pick("prefill", prefills, excluded), self._pick("decode", decodes, excluded)
+            )
+        colocated = self._workers.available("colocated")
+        if colocated:
+            return Plan(None, self._pick("colocated", colocated, excluded))
+        return None
+
+    def _pick(self, role: str, candidates: list[Worker], excluded: set[str]) -> Worker:
+        # Prefer workers that have not failed this request; fall back to all when none is left.
+        preferred = [w for w in candidates if w.url not in excluded] or candidates
+        return self._policies[role].choose(preferred)
+
+
+def backoff_s(attempt_no: int, base_s: float, max_s: float, rng: random.Random) -> float:
+    """Delay before retry ``attempt_no`` (1-based): exponential, capped, with jitter in
+    [50%, 100%] so a burst of failed requests does not retry in lockstep."""
+    ceiling = min(max_s, base_s * 2 ** (attempt_no - 1))
+    return ceiling * rng.uniform(0.5, 1.0)

@@ -1,0 +1,266 @@
+"""The router's view of its workers: a registry (``WorkerManager``) and the health checker.
+
+Health state is written only by the health checker (and by admin add/remove), breaker state only
+by the dispatcher, in-flight counts only by the dispatcher; all on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from pdserve.router.breaker import CircuitBreaker
+from pdserve.router.config import WORKER_ROLES, RouterConfig, normalize_worker_url
+
+logger = logging.getLogger(__name__)
+
+UNKNOWN = "unknown"
+HEALTHY = "healthy"
+UNHEALTHY = "unhealthy"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfoMsg:
+    """A worker's ``GET /server_info`` answer, validated."""
+
+    role: str
+    model: str
+    engine_id: str
+    incarnation: str
+    bootstrap_port: int | None
+    max_model_len: int
+
+    @classmethod
+    def from_json(cls, raw: Any) -> ServerInfoMsg:
+        """Validate a decoded JSON value; ValueError says what is wrong."""
+        if not isinstance(raw, dict):
+            raise ValueError("server_info is not a JSON object")
+        role = raw.get("role")
+        if role not in WORKER_ROLES:
+            raise ValueError(f"server_info.role invalid: {role!r}")
+        port = raw.get("bootstrap_port")
+        if port is not None and (type(port) is not int or not 0 < port < 65536):
+            raise ValueError(f"server_info.bootstrap_port invalid: {port!r}")
+        if role == "prefill" and port is None:
+            raise ValueError("prefill server_info has no bootstrap_port")
+        max_len = raw.get("max_model_len")
+        if type(max_len) is not int or max_len <= 0:
+            raise ValueError(f"server_info.max_model_len invalid: {max_len!r}")
+        incarnation = raw.get("incarnation")
+        if type(incarnation) not in (str, int) or incarnation == "":
+            raise ValueError(f"server_info.incarnation invalid: {incarnation!r}")
+        return cls(
+            role=role,
+            model=str(raw.get("model", "")),
+            engine_id=str(raw.get("engine_id", "")),
+            incarnation=str(incarnation),
+            bootstrap_port=port,
+            max_model_len=max_len,
+        )
+
+
+@dataclass(eq=False)
+class Worker:
+    """One registered worker. Identity is the object: a removed and re-added URL is new."""
+
+    url: str
+    role: str
+    breaker: CircuitBreaker
+    state: str = UNKNOWN
+    info: ServerInfoMsg | None = None
+    num_in_flight: int = 0
+    last_error: str | None = None
+    last_checked: float | None = None  # monotonic time of the last completed probe
+    host: str = field(init=False)  # the bootstrap host of a prefill is its URL's host
+
+    def __post_init__(self) -> None:
+        self.host = urlsplit(self.url).hostname or ""
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.state == HEALTHY
+
+    def is_available(self) -> bool:
+        """Healthy and its breaker lets a request through."""
+        return self.is_healthy and self.breaker.can_attempt()
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``GET /workers`` entry."""
+        info = self.info
+        return {
+            "url": self.url,
+            "role": self.role,
+            "state": self.state,
+            "incarnation": info.incarnation if info else None,
+            "engine_id": info.engine_id if info else None,
+            "model": info.model if info else None,
+            "bootstrap_port": info.bootstrap_port if info else None,
+            "in_flight": self.num_in_flight,
+            "breaker": self.breaker.state,
+            "breaker_failures": self.breaker.num_failures,
+            "last_error": self.last_error,
+        }
+
+
+class WorkerManager:
+    """Owns the set of workers (add/remove at run time) and answers availability queries."""
+
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._clock = clock
+        self._workers: dict[str, Worker] = {}  # insertion order = candidate order
+
+    def add(self, url: str, role: str) -> Worker:
+        """Register a worker (state unknown until its first probe). ValueError if invalid."""
+        if role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {WORKER_ROLES}, got {role!r}")
+        url = normalize_worker_url(url)
+        if url in self._workers:
+            raise ValueError(f"worker already registered: {url}")
+        cfg = self._config
+        breaker = CircuitBreaker(url, cfg.breaker_failures, cfg.breaker_reset_s, self._clock)
+        worker = Worker(url=url, role=role, breaker=breaker)
+        self._workers[url] = worker
+        logger.info("worker %s added as %s", url, role)
+        return worker
+
+    def remove(self, url: str) -> Worker | None:
+        """Unregister; requests already on it finish. None if it was not registered."""
+        try:
+            url = normalize_worker_url(url)
+        except ValueError:
+            return None
+        worker = self._workers.pop(url, None)
+        if worker is not None:
+            logger.info("worker %s (%s) removed", url, worker.role)
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def is_registered(self, worker: Worker) -> bool:
+        return self._workers.get(worker.url) is worker
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def available(self, role: str) -> list[Worker]:
+        """Workers of ``role`` that may take a request now, in registration order."""
+        return [w for w in self._workers.values() if w.role == role and w.is_available()]
+
+    def has_complete_path(self) -> bool:
+        """A prefill+decode pair or a colocated worker can take a request now."""
+        if self.available("colocated"):
+            return True
+        return bool(self.available("prefill")) and bool(self.available("decode"))
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    is_ready: bool
+    info: ServerInfoMsg | None
+    error: str | None
+
+
+class HealthChecker:
+    """Periodically probes every worker (``/health/ready`` + ``/server_info``) and applies the
+    result: takes unhealthy workers out, puts them back, and notices restarts."""
+
+    def __init__(
+        self, config: RouterConfig, workers: WorkerManager, session: aiohttp.ClientSession
+    ) -> None:
+        self._config = config
+        self._workers = workers
+        self._session = session
+        self._headers = (
+            {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
+        )
+        self._timeout = aiohttp.ClientTimeout(
+            total=config.health_timeout_s, sock_connect=config.connect_timeout_s
+        )
+        self.num_rounds = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Probe all workers every ``health_interval_s`` until ``stop`` is set."""
+        while not stop.is_set():
+            await self.check_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self._config.health_interval_s)
+
+    async def check_all(self) -> None:
+        """One probe round over every registered worker, concurrently."""
+        workers = self._workers.all()
+        await asyncio.gather(*(self.check(w) for w in workers))
+        self.num_rounds += 1
+
+    async def check(self, worker: Worker) -> None:
+        """Probe one worker and apply the result (if it is still registered)."""
+        result = await self.probe(worker.url)
+        if self._workers.is_registered(worker):
+            apply_probe(worker, result, time.monotonic())
+
+    async def probe(self, url: str) -> ProbeResult:
+        """``GET /health/ready`` and ``/server_info`` of one URL, bounded by health_timeout_s."""
+        try:
+            ready_status, info_raw = await asyncio.gather(
+                self._get_status(f"{url}/health/ready"), self._get_json(f"{url}/server_info")
+            )
+            info = ServerInfoMsg.from_json(info_raw)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return ProbeResult(False, None, f"{type(exc).__name__}: {exc}"[:300])
+        if ready_status != 200:
+            return ProbeResult(False, info, f"/health/ready answered {ready_status}")
+        return ProbeResult(True, info, None)
+
+    async def _get_status(self, url: str) -> int:
+        async with self._session.get(url, timeout=self._timeout, headers=self._headers) as resp:
+            await resp.read()
+            return resp.status
+
+    async def _get_json(self, url: str) -> Any:
+        async with self._session.get(url, timeout=self._timeout, headers=self._headers) as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                raise ValueError(f"/server_info answered {resp.status}")
+            return orjson.loads(body)
+
+
+def apply_probe(worker: Worker, result: ProbeResult, now: float) -> None:
+    """Update one worker from a probe; logs every state change with its reason."""
+    worker.last_checked = now
+    info = result.info
+    if info is not None and info.role != worker.role:
+        result = ProbeResult(
+            False, info, f"role mismatch: registered {worker.role}, is {info.role}"
+        )
+    if info is not None:
+        old = worker.info
+        if old is not None and old.incarnation != info.incarnation:
+            logger.info(
+                "worker %s restarted: incarnation %s -> %s, bootstrap_port %s -> %s",
+                worker.url,
+                old.incarnation,
+                info.incarnation,
+                old.bootstrap_port,
+                info.bootstrap_port,
+            )
+            worker.breaker.reset("new incarnation")
+        worker.info = info
+    new_state = HEALTHY if result.is_ready else UNHEALTHY
+    if new_state != worker.state:
+        # Losing a worker that served is worth a warning; one not up yet (startup) is not.
+        log = logger.warning if worker.state == HEALTHY else logger.info
+        log(
+            "worker %s: %s -> %s (%s)", worker.url, worker.state, new_state, result.error or "ready"
+        )
+    worker.state = new_state
+    worker.last_error = result.error
