@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.cli import add_model_args, resolve_model_dir
 
@@ -31,13 +31,23 @@ class ClusterConfig:
 class Child:
     name: str
     url: str
+    argv: list[str]
     proc: subprocess.Popen[bytes]
+    restarts: list[float] = field(default_factory=list)
+
+    def restart(self) -> None:
+        self.restarts.append(time.monotonic())
+        self.proc = _popen(self.name, self.argv)
+
+
+def _popen(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "pdserve", *argv]
+    print(f"[up] starting {name}: {' '.join(cmd[2:])}", flush=True)
+    return subprocess.Popen(cmd, start_new_session=True)
 
 
 def _spawn(name: str, argv: list[str], url: str) -> Child:
-    cmd = [sys.executable, "-m", "pdserve", *argv]
-    print(f"[up] starting {name}: {' '.join(cmd[2:])}", flush=True)
-    return Child(name, url, subprocess.Popen(cmd, start_new_session=True))
+    return Child(name, url, argv, _popen(name, argv))
 
 
 def start_cluster(cfg: ClusterConfig) -> list[Child]:
@@ -81,6 +91,31 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
         if pending:
             time.sleep(delay)  # polling interval of a readiness check with a deadline
             delay = min(delay * 2, 1.0)
+
+
+MAX_RESTARTS = 5  # within RESTART_WINDOW_S, then the cluster gives up
+RESTART_WINDOW_S = 60.0
+
+
+def supervise(children: list[Child]) -> int:
+    """Restart a child that dies (the others keep running: no restart ordering); give up on one
+    that keeps dying."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)  # block until any child exits (Ctrl-C interrupts)
+        except ChildProcessError:
+            return 1
+        for child in children:
+            if child.proc.pid != pid:
+                continue
+            code = child.proc.returncode = os.waitstatus_to_exitcode(status)
+            now = time.monotonic()
+            recent = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
+            if len(recent) >= MAX_RESTARTS:
+                print(f"[up] {child.name} keeps exiting (code {code}); stopping", file=sys.stderr)
+                return 1
+            print(f"[up] {child.name} exited with code {code}; restarting", file=sys.stderr)
+            child.restart()
 
 
 def stop_cluster(children: list[Child], grace_s: float = 10.0) -> None:
@@ -131,14 +166,7 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         print("Ctrl-C stops all.", flush=True)
-        while all(c.proc.poll() is None for c in children):
-            try:
-                children[0].proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                continue
-        dead = [c.name for c in children if c.proc.poll() is not None]
-        print(f"[up] {dead} exited; stopping the cluster", file=sys.stderr)
-        return 1
+        return supervise(children)
     except KeyboardInterrupt:
         print("\n[up] stopping", flush=True)
         return 0

@@ -21,11 +21,12 @@ def client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-async def complete(url: str, prompt: str, max_tokens: int = 12) -> tuple[str, list[str]]:
+async def complete(url: str, prompt: str, max_tokens: int = 12) -> tuple[str, int]:
     resp = await client(url).completions.create(
-        model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0
-    )
-    return resp.choices[0].text, resp.choices[0].logprobs.tokens
+        model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    return resp.choices[0].text, resp.usage.completion_tokens
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -46,8 +47,12 @@ def get_json(url: str) -> dict:
 
 def wait_idle(proc: Proc, role: str, timeout_s: float = 30.0) -> dict[str, float]:
     """Poll until every queue gauge is 0 and all pages are free; return the last scrape."""
-    gauges = ["pdserve_waiting_requests", "pdserve_running_requests",
-              "pdserve_prefill_inflight_requests", "pdserve_decode_waiting_for_kv_requests"]  # fmt: skip
+    gauges = [
+        "pdserve_waiting_requests",
+        "pdserve_running_requests",
+        "pdserve_prefill_inflight_requests",
+        "pdserve_decode_waiting_for_kv_requests",
+    ]
     deadline = time.monotonic() + timeout_s
     while True:
         m = scrape(proc.url)
@@ -67,12 +72,13 @@ async def test_pd_greedy_equals_colocated_equals_offline_runner(
     pd_cluster: Cluster, colocated: Proc, demo_model_dir
 ):
     for prompt in PROMPTS:
-        pd_text, pd_tokens = await complete(pd_cluster.router.url, prompt)
-        colo_text, colo_tokens = await complete(colocated.url, prompt)
-        assert pd_tokens == colo_tokens and pd_text == colo_text
-        offline = subprocess.run(
+        pd_text, pd_count = await complete(pd_cluster.router.url, prompt)
+        colo_text, colo_count = await complete(colocated.url, prompt)
+        assert (pd_text, pd_count) == (colo_text, colo_count) == (colo_text, 12)
+        offline = await asyncio.to_thread(
+            subprocess.run,
             [sys.executable, "-m", "pdserve", "generate", "--model", str(demo_model_dir),
-             "--prompt", prompt, "--max-tokens", "12", "--json"],
+             "--prompt", prompt, "--max-tokens", "12", "--ignore-eos", "--json"],
             capture_output=True, text=True, timeout=300, check=True,
         )  # fmt: skip
         assert json.loads(offline.stdout.strip().splitlines()[-1])["text"] == pd_text
