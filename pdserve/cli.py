@@ -35,6 +35,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-kb", type=int, default=4096, help="larger request bodies get 413")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")
+    p.add_argument(
+        "--fault-plan",
+        default=None,
+        metavar="JSON",
+        help="testing only: inject KV transport faults, e.g. "
+        '\'{"delay_s": 0.01, "drop_notif_prob": 0.1, "fail_transfer_prob": 0.05, "seed": 1}\' '
+        "(fields of pdserve.transport.faults.FaultPlan)",
+    )
     g = p.add_argument_group("deadlines (seconds)")
     g.add_argument("--timeout-bootstrap", type=float, default=30.0)
     g.add_argument("--timeout-waiting-for-input", type=float, default=60.0)
@@ -84,7 +92,10 @@ def _serve(argv: list[str]) -> int:
     setup_logging(args.log_level)
     from pdserve.config_builder import server_config_from_args
 
-    config = server_config_from_args(args)
+    try:
+        config = server_config_from_args(args)
+    except ValueError as e:  # a bad flag value: a usage error, not a traceback
+        p.error(str(e))
     run_async(_serve_forever(config))
     return 0
 

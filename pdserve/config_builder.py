@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from pdserve.api.config import ApiConfig
 from pdserve.cli import resolve_model_dir
@@ -12,7 +13,7 @@ from pdserve.envs import read_env
 from pdserve.fsm import RoomDeadlines
 from pdserve.model_runner import RunnerConfig
 from pdserve.server import ServerConfig
-from pdserve.transport import TransportConfig
+from pdserve.transport import FaultPlan, TransportConfig
 
 DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30001}
 
@@ -55,6 +56,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         bootstrap_port=args.bootstrap_port,
         heartbeat_interval_s=args.heartbeat_interval,
         checksum=args.kv_checksum,
+        faults=fault_plan_from_json(args.fault_plan),
         deadlines=RoomDeadlines(
             bootstrapping_s=args.timeout_bootstrap,
             waiting_for_input_s=args.timeout_waiting_for_input,
@@ -75,6 +77,25 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port if args.port is not None else DEFAULT_PORTS[args.role],
     )
+
+
+def fault_plan_from_json(text: str | None) -> FaultPlan | None:
+    """``--fault-plan``: a JSON object of FaultPlan fields, or None (no faults injected).
+
+    Raises ValueError for bad JSON, unknown fields or out-of-range values.
+    """
+    if text is None:
+        return None
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--fault-plan is not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError("--fault-plan must be a JSON object of FaultPlan fields")
+    try:
+        return FaultPlan(**fields)
+    except TypeError as e:  # an unknown field name
+        raise ValueError(f"--fault-plan: {e}") from None
 
 
 def _model_name(model: str | None) -> str:

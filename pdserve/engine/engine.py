@@ -281,7 +281,11 @@ class Engine:
             self.handoff.on_finish(req, prev, reason or status)
         if req.seq.page_ids and not req.pages_in_room:
             self.free_pages(req.seq.page_ids)
-        req.seq.page_ids = []
+        if not self._stepping:
+            # While a forward runs, the runner thread may be reading this sequence's page ids
+            # (an abort lands between schedule() and the forward): leave them; the free above
+            # is deferred to the step's end and the finished request is never scheduled again.
+            req.seq.page_ids = []
         self._requests.pop(req.request_id, None)
         self.observer.on_finish(req, status)
 

@@ -137,14 +137,23 @@ class DecodeHandoff(Handoff):
             self._pending.popleft()
             req.seq.page_ids = alloc.allocate(need)
             req.pages_in_room = True
-            task = asyncio.create_task(self._receive(req), name=f"kv-recv-{req.room_id}")
+            pages = list(req.seq.page_ids)
+            task = asyncio.create_task(self._receive(req, pages), name=f"kv-recv-{req.room_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _receive(self, req: Request) -> None:
+    async def _receive(self, req: Request, pages: list[int]) -> None:
         kvt = req.kv_transfer
         assert kvt is not None
-        pages = list(req.seq.page_ids)
+        if req.is_finished:
+            # Aborted before this task first ran: no room was opened, so nothing else will
+            # release the pages lent to it (the engine left them to the room).
+            logger.debug(
+                "req=%s room=%s: ended before its room opened", req.request_id, kvt.room_id
+            )
+            req.pages_in_room = False
+            self.engine.free_pages(pages)
+            return
         try:
             room = await self.receiver.open_room(
                 kvt.room_id, req.request_id, kvt.bootstrap_host, kvt.bootstrap_port,

@@ -1,0 +1,300 @@
+"""Chaos: the abort storm while peers die. Each *kill phase* runs one storm round and, once
+enough of its requests are streaming, SIGKILLs one process (decode, then prefill, then router),
+restarts it on the same ports and lets the round finish; the *faults phase* restarts the workers
+with the transport's fault injection (delayed writes, failed transfers, dropped notifications)
+and runs a round on them. After every phase:
+
+- the abort storm's request invariants (never answered = 0, no malformed answer, completed
+  requests have all their tokens; streams cut without ``[DONE]`` only when the router died);
+- the restarted process rejoins with no action anywhere else: the router lists every worker
+  healthy with its current incarnation, and requests complete again;
+- every worker idle (queue gauges 0, pages free == total, ``/debug`` empty), router idle;
+- and at the end: no ``Traceback`` in any log (all lives of every process).
+
+    python bench/chaos.py --quick
+    python bench/chaos.py --requests 300 --concurrency 24 --rounds 2 --seed 1 --num-decode 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
+
+from bench.abort_storm import (  # noqa: E402
+    COMPLETED,
+    Invariant,
+    StormConfig,
+    StormProgress,
+    StormSummary,
+    add_size_args,
+    cluster_spec_from_args,
+    idle_invariants,
+    request_invariants,
+    run_round,
+    storm_config_from_args,
+    traceback_invariant,
+)
+from bench.cluster import Cluster, ClusterSpec, ManagedProc, check_idle, scrape  # noqa: E402
+
+QUICK = {"num_requests": 100, "concurrency": 12, "num_rounds": 1}
+KILL_ROLES = ("decode", "prefill", "router")
+CHAOS_RATE = 8.0  # requests/s: a round spans the kill, the downtime and the restart
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """``storm.num_rounds`` cycles of one kill phase per role in ``kill_roles``, then (when
+    ``prefill_faults``/``decode_faults`` are set) one faults phase. Fault plans are the JSON
+    of ``pdserve serve --fault-plan``."""
+
+    storm: StormConfig
+    kill_roles: tuple[str, ...] = KILL_ROLES
+    prefill_faults: str | None = '{"delay_s": 0.005, "fail_transfer_prob": 0.02}'
+    decode_faults: str | None = '{"drop_notif_prob": 0.05}'
+    num_recovery_requests: int = 6  # a burst that must complete after each restart
+    max_recover_s: float = 60.0
+    max_idle_wait_s: float = 30.0
+
+
+@dataclass
+class PhaseReport:
+    """One phase: its storm's counts and invariants, what was killed, how fast it came back."""
+
+    name: str
+    summary: StormSummary
+    killed: str | None = None
+    restart_s: float | None = None  # SIGKILL -> the new process answers /health/ready
+    rejoin_s: float | None = None  # ready -> the router uses it again (nothing else restarted)
+    faults: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ChaosSummary:
+    phases: list[PhaseReport] = field(default_factory=list)
+    invariants: list[Invariant] = field(default_factory=list)  # whole-run checks
+    log_dir: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def is_ok(self) -> bool:
+        checks = self.invariants + [i for p in self.phases for i in p.summary.invariants]
+        return all(i.is_ok for i in checks)
+
+    def total(self, attr: str) -> int:
+        return sum(getattr(p.summary, attr) for p in self.phases)
+
+    @property
+    def num_killed_peers(self) -> int:
+        return sum(1 for p in self.phases if p.killed)
+
+    def to_json(self) -> dict:
+        totals = {a: self.total(a) for a in ("num_tried", "num_aborted_by_client", "num_errors",
+                                              "num_never_answered", "num_truncated")}  # fmt: skip
+        return {**asdict(self), "totals": totals, "num_killed_peers": self.num_killed_peers,
+                "is_ok": self.is_ok}  # fmt: skip
+
+
+def _victim(cluster: Cluster, role: str, cycle: int) -> ManagedProc:
+    """The process of ``role`` to kill in this cycle (rotating when there are several)."""
+    procs = {"decode": cluster.decodes, "prefill": cluster.prefills, "router": [cluster.router]}
+    candidates = procs[role]
+    return candidates[cycle % len(candidates)]
+
+
+async def kill_phase(cluster: Cluster, cfg: ChaosConfig, role: str, cycle: int) -> PhaseReport:
+    """A storm round during which one ``role`` process is SIGKILLed and restarted."""
+    label = f"kill-{role}-{cycle}"
+    victim = _victim(cluster, role, cycle)
+    report = PhaseReport(label, StormSummary(), killed=victim.name)
+    progress = StormProgress()
+    storm = asyncio.create_task(run_round(cluster.session, cfg.storm, label, progress))
+    # Kill under load: once a good part of the round is in flight (or it is over anyway).
+    num_in_flight = min(cfg.storm.concurrency, max(1, cfg.storm.num_requests // 4))
+    await progress.wait_for(lambda p: p.num_streaming >= num_in_flight, cfg.storm.deadline_s)
+    killed_at = time.monotonic()
+    await asyncio.to_thread(victim.kill)
+    victim.start()
+    await victim.wait_ready(cluster.session, cluster.spec.max_ready_s)
+    report.restart_s = round(time.monotonic() - killed_at, 2)
+    report.summary.add(await storm)
+    await _after_restart(cluster, cfg, report, label)
+    return report
+
+
+async def _after_restart(
+    cluster: Cluster, cfg: ChaosConfig, report: PhaseReport, label: str
+) -> None:
+    """Rejoin, recovery, request and idle invariants of a phase."""
+    summary = report.summary
+    started = time.monotonic()
+    try:
+        await cluster.wait_router_sees_all(cfg.max_recover_s)
+        report.rejoin_s = round(time.monotonic() - started, 2)
+        is_back, detail = True, f"router sees every worker's new life after {report.rejoin_s}s"
+    except TimeoutError as e:
+        is_back, detail = False, str(e)
+    summary.invariants.append(Invariant(f"{label}: rejoined with no action", is_back, detail))
+    summary.invariants.append(await serves_again(cluster, cfg, summary, label))
+    is_router_killed = report.killed == cluster.router.name
+    summary.invariants[:0] = request_invariants(summary, allow_truncated=is_router_killed)
+    idle = await check_idle(cluster.session, cluster.target(), cfg.max_idle_wait_s)
+    summary.invariants += idle_invariants(idle, label)
+
+
+async def serves_again(
+    cluster: Cluster, cfg: ChaosConfig, summary: StormSummary, label: str
+) -> Invariant:
+    """One request at a time until one completes (a breaker may still be half-open), then a
+    burst that must complete in full. Their results count in the phase's summary."""
+    probe = replace(cfg.storm, router_url=cluster.router.url, num_requests=1, abort_fraction=0.0)
+    deadline = time.monotonic() + cfg.max_recover_s
+    for attempt in range(10_000):
+        [result] = await run_round(
+            cluster.session, probe, f"{label}-probe{attempt}", StormProgress()
+        )
+        summary.add([result])
+        if result.outcome == COMPLETED:
+            break
+        if time.monotonic() > deadline:
+            return Invariant(f"{label}: serves again", False, f"last: {result.error_kind}")
+        await asyncio.sleep(0.1)  # poll interval of a recovery check with a deadline
+    n = cfg.num_recovery_requests
+    burst = replace(probe, num_requests=n, concurrency=n)
+    results = await run_round(cluster.session, burst, f"{label}-burst", StormProgress())
+    summary.add(results)
+    bad = [f"{r.request_id}: {r.outcome} {r.error_kind}" for r in results if r.outcome != COMPLETED]
+    return Invariant(f"{label}: serves again", not bad, "; ".join(bad) or f"{n}/{n} completed")
+
+
+async def faults_phase(cluster: Cluster, cfg: ChaosConfig) -> PhaseReport:
+    """Restart the workers with fault plans, run a storm round on them."""
+    label = "faults"
+    report = PhaseReport(label, StormSummary())
+    seed = cfg.storm.seed
+    restarts = [
+        cluster.restart(p, ("--fault-plan", _with_seed(plan, seed + i)))
+        for i, (p, plan) in enumerate(_fault_targets(cluster, cfg))
+    ]
+    await asyncio.gather(*restarts)
+    await cluster.wait_router_sees_all(cfg.max_recover_s)
+    report.summary.add(await run_round(cluster.session, cfg.storm, label, StormProgress()))
+    summary = report.summary
+    summary.invariants = request_invariants(summary)
+    idle = await check_idle(cluster.session, cluster.target(), cfg.max_idle_wait_s)
+    summary.invariants += idle_invariants(idle, label)
+    for proc in cluster.workers:
+        metrics = await scrape(cluster.session, proc.url)
+        for key, value in metrics.items():
+            if key.startswith("pdserve_transport_fault_") and key.endswith("_total"):
+                name = key.removeprefix("pdserve_transport_fault_").removesuffix("_total")
+                report.faults[name] = report.faults.get(name, 0) + value
+    injected = sum(report.faults.values())
+    summary.invariants.append(Invariant("faults: injected", injected > 0, f"{report.faults}"))
+    return report
+
+
+def _fault_targets(cluster: Cluster, cfg: ChaosConfig) -> list[tuple[ManagedProc, str]]:
+    out = [(p, cfg.prefill_faults) for p in cluster.prefills if cfg.prefill_faults]
+    return out + [(d, cfg.decode_faults) for d in cluster.decodes if cfg.decode_faults]
+
+
+def _with_seed(plan: str, seed: int) -> str:
+    return json.dumps({"seed": seed, **json.loads(plan)})
+
+
+async def run_phases(cluster: Cluster, cfg: ChaosConfig) -> ChaosSummary:
+    """Every phase on a running cluster, then the whole-run invariants."""
+    started = time.monotonic()
+    out = ChaosSummary(log_dir=str(cluster.log_dir))
+    cfg = replace(cfg, storm=replace(cfg.storm, router_url=cluster.router.url))
+    for cycle in range(cfg.storm.num_rounds):
+        for role in cfg.kill_roles:
+            out.phases.append(await kill_phase(cluster, cfg, role, cycle))
+    if cfg.prefill_faults or cfg.decode_faults:
+        out.phases.append(await faults_phase(cluster, cfg))
+    out.invariants.append(traceback_invariant(cluster.target()))
+    out.wall_s = round(time.monotonic() - started, 2)
+    return out
+
+
+async def run_chaos(cfg: ChaosConfig, spec: ClusterSpec) -> ChaosSummary:
+    """The whole bench on a fresh cluster."""
+    async with Cluster(spec) as cluster:
+        return await run_phases(cluster, cfg)
+
+
+def format_chaos(s: ChaosSummary) -> str:
+    """The human-readable report: one line per phase, failed invariants, the totals."""
+    lines = [f"== chaos: {'OK' if s.is_ok else 'FAILED'} in {s.wall_s:.1f}s"]
+    for p in s.phases:
+        lines += _format_phase(p)
+    lines += [f"  [{'ok' if i.is_ok else 'FAIL'}] {i.name}: {i.detail}" for i in s.invariants]
+    num_checks = sum(len(p.summary.invariants) for p in s.phases) + len(s.invariants)
+    lines.append(
+        f"TOTAL: requests tried {s.total('num_tried')}, aborted by clients "
+        f"{s.total('num_aborted_by_client')}, killed peers {s.num_killed_peers}, ended in error "
+        f"{s.total('num_errors') + s.total('num_truncated')}, never answered "
+        f"{s.total('num_never_answered')}; {num_checks} invariants checked"
+    )
+    lines.append(f"logs: {s.log_dir}")
+    return "\n".join(lines)
+
+
+def _format_phase(p: PhaseReport) -> list[str]:
+    q = p.summary
+    line = (
+        f"{p.name}: tried {q.num_tried}, completed {q.num_completed}, aborted "
+        f"{q.num_aborted_by_client}, errors {q.num_errors}, cut {q.num_truncated}, never "
+        f"answered {q.num_never_answered}"
+    )
+    if p.killed:
+        line += f"; killed {p.killed}, back in {p.restart_s}s, rejoined +{p.rejoin_s}s"
+    if p.faults:
+        line += f"; faults {p.faults}"
+    lines = [line]
+    if q.errors_by_kind:
+        lines.append(
+            "    errors: " + ", ".join(f"{k} x{v}" for k, v in sorted(q.errors_by_kind.items()))
+        )
+    lines += [f"    [FAIL] {i.name}: {i.detail}" for i in q.invariants if not i.is_ok]
+    return lines
+
+
+def quick_config(seed: int = 0) -> ChaosConfig:
+    """The bounded CI size (``--quick``): one decode kill/restart, then the faults phase."""
+    storm = StormConfig(router_url="", seed=seed, request_rate=CHAOS_RATE, **QUICK)
+    return ChaosConfig(storm, kill_roles=("decode",))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_size_args(p, StormConfig(router_url="", num_rounds=1, request_rate=CHAOS_RATE))
+    p.add_argument("--kill", default=",".join(KILL_ROLES), help="roles to kill, in order")
+    p.add_argument("--no-faults", action="store_true", help="skip the faults phase")
+    p.add_argument("--num-decode", type=int, default=1)
+    args = p.parse_args(argv)
+    storm = storm_config_from_args(args, QUICK)
+    kill_roles = tuple(r for r in args.kill.split(",") if r)
+    if not set(kill_roles) <= set(KILL_ROLES):
+        p.error(f"--kill takes roles among {','.join(KILL_ROLES)}")
+    cfg = ChaosConfig(storm, kill_roles=("decode",) if args.quick else kill_roles)
+    if args.no_faults:
+        cfg = replace(cfg, prefill_faults=None, decode_faults=None)
+    spec = replace(cluster_spec_from_args(args), num_decode=args.num_decode)
+    summary = asyncio.run(run_chaos(cfg, spec))
+    if args.json:
+        print(json.dumps(summary.to_json()))
+    else:
+        print(format_chaos(summary))
+    return 0 if summary.is_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""Batched token sampling: penalties, temperature, top-k, top-p, seeded noise, logprobs.
+
+Everything is vectorised over the batch; per-sequence parameters arrive as tensors built once
+per step (:class:`SamplingTensors`). Randomness is counter-based: the noise for vocab entry
+``v`` of a sequence is a hash of ``(seed, position, v)``, so a seeded request draws the same
+token whatever batch it runs in and without the sampler keeping any per-sequence state.
+Sampling is an exponential race (equivalent to Gumbel-max): ``argmax(p_v / E_v)`` with
+``E_v ~ Exp(1)`` picks ``v`` with probability ``p_v``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from pdserve.sequence import Sequence
+
+_MASK32 = 0xFFFFFFFF
+# Odd 32-bit constants of the murmur3 / lowbias32 finalisers.
+_MIX_A = 0x7FEB352D
+_MIX_B = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+_SEED_MUL = 0x85EBCA6B
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters for one batch, shape ``(B,)`` unless noted."""
+
+    temperature: torch.Tensor  # float32; <= 0 means greedy
+    top_k: torch.Tensor  # int64; <= 0 disables
+    top_p: torch.Tensor  # float32; 1.0 disables
+    seeds: torch.Tensor  # int64, 0 .. 2**32-1
+    positions: torch.Tensor  # int64, index of the token being sampled
+    repetition_penalty: torch.Tensor  # float32; 1.0 disables
+    frequency_penalty: torch.Tensor  # float32
+    presence_penalty: torch.Tensor  # float32
+    # Padded token histories (pad = -1), only when some row uses a penalty.
+    prompt_tokens: torch.Tensor | None = None  # (B, max_prompt)
+    output_tokens: torch.Tensor | None = None  # (B, max_output)
+    max_top_logprobs: int = 0
+    need_logprobs: bool = False
+
+    @property
+    def is_all_greedy(self) -> bool:
+        return bool((self.temperature <= 0).all())
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: torch.Tensor | None = None  # (B,) float32, of the chosen token
+    top_ids: torch.Tensor | None = None  # (B, max_top_logprobs) int64
+    top_logprobs: torch.Tensor | None = None  # (B, max_top_logprobs) float32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # lowbias32 finaliser on values kept in [0, 2**32): products wrap in int64 but their low
+    # 32 bits are exact, and shifts act on non-negative values so they are logical.
+    x = x ^ (x >> 16)
+    x = (x * _MIX_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``(B, V)`` float32 uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
+    seed_part = ((seeds & _MASK32) * _SEED_MUL) & _MASK32
+    row = _mix32(seed_part ^ _mix32(positions & _MASK32))
+    col = (torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) * _GOLDEN) & _MASK32
+    bits = _mix32(row.unsqueeze(1) ^ col.unsqueeze(0))
+    # 24 random bits centred in their bucket: never exactly 0 or 1.
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Repetition (prompt + output, HF/CTRL style), frequency and presence (output only)."""
+    if t.prompt_tokens is None or t.output_tokens is None:
+        return logits
+    num_seqs, vocab = logits.shape
+    out_counts = _token_counts(t.output_tokens, num_seqs, vocab)
+    seen = (_token_counts(t.prompt_tokens, num_seqs, vocab) + out_counts) > 0
+    rep = t.repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - t.frequency_penalty.unsqueeze(1) * out_counts
+    return logits - t.presence_penalty.unsqueeze(1) * (out_counts > 0).float()
+
+
+def _token_counts(tokens: torch.Tensor, num_seqs: int, vocab: int) -> torch.Tensor:
+    # One extra column swallows the -1 padding.
+    counts = torch.zeros(num_seqs, vocab + 1, dtype=torch.float32, device=tokens.device)
+    index = torch.where(tokens < 0, vocab, tokens)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask (to -inf) entries outside each row's top-k and top-p nucleus."""
+    vocab = logits.shape[1]
+    use_top_p = bool((t.top_p < 1.0).any())
+    use_top_k = bool((t.top_k > 0).any())
+    if not (use_top_p or use_top_k):
+        return logits
+    k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
+    if not use_top_p:
+        # Only top-k: the k-th largest value of each row is the threshold (ties kept).
+        top = logits.topk(int(k.max()), dim=1).values
+        kth = top.gather(1, (k - 1).unsqueeze(1))
+        return logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=1)
+    mass_before = probs.cumsum(dim=1) - probs
+    # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+    drop = mass_before >= t.top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+def _random_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    temperature = torch.where(t.temperature > 0, t.temperature, 1.0).unsqueeze(1)
+    filtered = _filter_top_k_top_p(logits / temperature, t)
+    noise = uniform_noise(t.seeds, t.positions, logits.shape[1])
+    # argmax p_v / E_v == argmax (logit_v - log E_v), E_v = -log u_v.
+    race = filtered - torch.log(-torch.log(noise))
+    return race.argmax(dim=1)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """Pick one token per row of float32 ``logits`` ``(B, V)``.
+
+    Logprobs (when requested) are of the model's distribution after penalties, before
+    temperature and truncation, as in the OpenAI API.
+    """
+    logits = apply_penalties(logits, t)
+    greedy = logits.argmax(dim=1)
+    if t.is_all_greedy:
+        token_ids = greedy
+    else:
+        token_ids = torch.where(t.temperature > 0, _random_sample(logits, t), greedy)
+    out = SamplerOutput(token_ids=token_ids)
+    if t.need_logprobs:
+        logprobs = logits.log_softmax(dim=1)
+        out.logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        if t.max_top_logprobs > 0:
+            top = logprobs.topk(t.max_top_logprobs, dim=1)
+            out.top_logprobs, out.top_ids = top.values, top.indices
+    return out
+
+
+def _fold_seed(seed: int) -> int:
+    # Any Python int (negative, > 32 bits) to the 32 bits the hash uses.
+    seed &= 0xFFFFFFFFFFFFFFFF
+    return (seed ^ (seed >> 32)) & _MASK32
+
+
+def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    tensors = [torch.tensor(r, dtype=torch.int64, device=device) for r in rows]
+    return pad_sequence(tensors, batch_first=True, padding_value=-1)
+
+
+def sampling_tensors_for(seqs: list[Sequence], device: torch.device) -> SamplingTensors:
+    """Per-row tensors for ``seqs``; the sampled token lands at index ``seq.num_tokens``.
+
+    A ``seed`` of None draws a fresh random seed (the scheduler normally fills one in first).
+    """
+    params = [s.sampling for s in seqs]
+
+    def col(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    seeds = [_fold_seed(p.seed if p.seed is not None else secrets.randbits(32)) for p in params]
+    t = SamplingTensors(
+        temperature=col([0.0 if p.is_greedy else p.temperature for p in params], torch.float32),
+        top_k=col([p.top_k for p in params], torch.int64),
+        top_p=col([p.top_p for p in params], torch.float32),
+        seeds=col(seeds, torch.int64),
+        positions=col([s.num_tokens for s in seqs], torch.int64),
+        repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
+        frequency_penalty=col([p.frequency_penalty for p in params], torch.float32),
+        presence_penalty=col([p.presence_penalty for p in params], torch.float32),
+        max_top_logprobs=max(p.top_logprobs if p.logprobs else 0 for p in params),
+        need_logprobs=any(p.logprobs for p in params),
+    )
+    uses_penalty = any(
+        p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
+    )
+    if uses_penalty:
+        t.prompt_tokens = _padded([s.token_ids[: s.num_prompt_tokens] for s in seqs], device)
+        t.output_tokens = _padded([s.generated_ids for s in seqs], device)
+    return t

@@ -1,0 +1,167 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+One implementation, read top to bottom like the paper: embed, then per layer
+``h += Attn(RMSNorm(h))`` and ``h += MLP(RMSNorm(h))``, then a final RMSNorm and the LM head.
+Per-architecture differences are data, not code paths: QKV bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), a sliding attention window (Mistral), rope scaling (Llama 3). Projections are fused
+(one QKV and one gate/up matmul per layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.attention import PrefillSeqMeta, decode_attention, prefill_attention, write_kv
+from pdserve.kernels.kv_cache import KVPagePool
+from pdserve.kernels.linear import Linear
+from pdserve.kernels.rmsnorm import rms_norm
+from pdserve.kernels.rope import apply_rope, rope_tables
+from pdserve.model.config import ModelConfig
+from pdserve.model.weights import LayerWeights, ModelWeights
+
+LayerCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache) page views
+
+
+def layer_caches(kv_pool: KVPagePool) -> list[LayerCache]:
+    """Per-layer ``(num_pages, page_size, Hkv, D)`` K and V views of the pool."""
+    return [kv_pool.layer_kv(i) for i in range(kv_pool.config.num_layers)]
+
+
+@dataclass
+class ForwardBatch:
+    """What one forward needs besides token ids: positions, KV slots, attention layout.
+
+    Exactly one of ``prefill_seqs`` (packed variable-length prefill) or ``block_table`` +
+    ``key_mask`` (one token per sequence decode) is set.
+    """
+
+    positions: torch.Tensor  # (T,) int64
+    page_idx: torch.Tensor  # (T,) int64: the page each new token's K/V goes to
+    page_offset: torch.Tensor  # (T,) int64: the slot inside that page
+    prefill_seqs: list[PrefillSeqMeta] | None = None
+    block_table: torch.Tensor | None = None  # (B, max_pages) int64
+    key_mask: torch.Tensor | None = None  # (B, max_pages * page_size) bool; None: all visible
+
+    @property
+    def is_decode(self) -> bool:
+        return self.block_table is not None
+
+
+class _Layer:
+    """A layer's weights as callables (the projections choose their matmul path)."""
+
+    def __init__(self, w: LayerWeights, fp32_min_rows: int | None) -> None:
+        self.input_norm, self.post_norm = w.input_norm, w.post_norm
+        self.q_norm, self.k_norm = w.q_norm, w.k_norm
+        self.qkv = Linear(w.qkv, w.qkv_bias, fp32_min_rows)
+        self.o_proj = Linear(w.o_proj, w.o_bias, fp32_min_rows)
+        self.gate_up = Linear(w.gate_up, w.gate_up_bias, fp32_min_rows)
+        self.down = Linear(w.down, w.down_bias, fp32_min_rows)
+
+
+class LlamaModel:
+    """Stateless forward pass; all per-sequence state lives in the KV pool the caller passes.
+
+    ``fp32_min_rows``: projections with at least this many input rows run in float32 from
+    float32 weight copies (see :mod:`pdserve.kernels.linear`); None keeps one copy.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        fp32_min_rows: int | None = None,
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.scale = config.head_dim**-0.5
+        self.layers = [_Layer(w, fp32_min_rows) for w in weights.layers]
+        self.lm_head = Linear(weights.lm_head, None, fp32_min_rows)
+        self.cos, self.sin = rope_tables(
+            max_positions, config.head_dim, config.rope_theta, config.rope_scaling, dtype, device
+        )
+
+    @property
+    def num_extra_bytes(self) -> int:
+        """Memory of the float32 weight copies, if any."""
+        linears = [self.lm_head] + [
+            p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+        return sum(p.num_extra_bytes for p in linears)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[LayerCache]
+    ) -> torch.Tensor:
+        """Hidden states ``(T, hidden)`` before the final norm; writes the tokens' K/V.
+
+        ``kv_caches[i]`` is layer i's ``(k_cache, v_cache)`` view of the page pool
+        (:func:`layer_caches`), built once since the pool is never reallocated.
+        """
+        eps = self.config.rms_norm_eps
+        h = F.embedding(input_ids, self.weights.embed)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, eps)
+            h = h + self._attention(layer, x, cos, sin, batch, kv_caches[i])
+            x = rms_norm(h, layer.post_norm, eps)
+            h = h + self._mlp(layer, x)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 next-token logits ``(N, vocab)`` for the given (pre-final-norm) rows."""
+        with torch.inference_mode():
+            x = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+            return self.lm_head(x).float()
+
+    def _qkv(
+        self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected, normed (Qwen3) and rotated ``q (T,H,D)``, ``k``/``v`` ``(T,Hkv,D)``."""
+        cfg = self.config
+        num_heads, num_kv = cfg.num_heads, cfg.num_kv_heads
+        heads = layer.qkv(x).view(x.shape[0], num_heads + 2 * num_kv, cfg.head_dim)
+        v = heads[:, num_heads + num_kv :]
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = rms_norm(heads[:, :num_heads], layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(heads[:, num_heads : num_heads + num_kv], layer.k_norm, cfg.rms_norm_eps)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # q and k are adjacent heads of the fused output: rotate them in one go.
+        qk = apply_rope(heads[:, : num_heads + num_kv], cos, sin)
+        return qk[:, :num_heads], qk[:, num_heads:], v
+
+    def _attention(
+        self,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: LayerCache,
+    ) -> torch.Tensor:
+        q, k, v = self._qkv(layer, x, cos, sin)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, batch.page_idx, batch.page_offset, k, v)
+        if batch.block_table is not None:
+            out = decode_attention(
+                q, k_cache, v_cache, batch.block_table, batch.key_mask, self.scale
+            )
+        else:
+            assert batch.prefill_seqs is not None
+            out = prefill_attention(
+                q, k, v, batch.prefill_seqs, k_cache, v_cache, self.scale,
+                self.config.sliding_window,
+            )  # fmt: skip
+        return layer.o_proj(out.reshape(x.shape[0], self.config.q_size))
+
+    @staticmethod
+    def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)

@@ -1,0 +1,29 @@
+"""Linear: the float32 path for many rows matches the plain path and keeps the dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.linear import Linear
+
+
+def test_rows_below_threshold_use_the_weight_as_is() -> None:
+    w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(Linear(w, b, fp32_min_rows=4)(x), F.linear(x, w, b))
+
+
+def test_many_rows_run_in_float32_and_return_the_input_dtype() -> None:
+    w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    lin = Linear(w, b, fp32_min_rows=4)
+    out = lin(x)
+    expected = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert lin.num_extra_bytes == (6 * 8 + 6) * 4
+
+
+def test_no_copy_without_threshold_or_for_float32_weights() -> None:
+    assert Linear(torch.randn(4, 4, dtype=torch.bfloat16)).num_extra_bytes == 0
+    assert Linear(torch.randn(4, 4), fp32_min_rows=1).num_extra_bytes == 0

@@ -1,0 +1,129 @@
+"""Sampler: greedy, seeded noise, truncation, penalties, logprobs, batch construction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdserve.kernels.sampling import (
+    SamplingTensors,
+    apply_penalties,
+    sample,
+    sampling_tensors_for,
+    uniform_noise,
+)
+from pdserve.sampling_params import SamplingParams
+from pdserve.sequence import Sequence
+
+
+def _tensors(n: int, **over: object) -> SamplingTensors:
+    base: dict[str, object] = {
+        "temperature": torch.ones(n),
+        "top_k": torch.zeros(n, dtype=torch.int64),
+        "top_p": torch.ones(n),
+        "seeds": torch.arange(n, dtype=torch.int64),
+        "positions": torch.full((n,), 5, dtype=torch.int64),
+        "repetition_penalty": torch.ones(n),
+        "frequency_penalty": torch.zeros(n),
+        "presence_penalty": torch.zeros(n),
+    }
+    return SamplingTensors(**(base | over))  # type: ignore[arg-type]
+
+
+def test_noise_is_a_function_of_seed_position_and_vocab_index_only() -> None:
+    seeds = torch.tensor([7, 7, 8, 2**32 - 1])
+    positions = torch.tensor([3, 4, 3, 3])
+    noise = uniform_noise(seeds, positions, 1000)
+    again = uniform_noise(seeds[[2, 0]], positions[[2, 0]], 1000)
+    assert torch.equal(noise[[2, 0]], again)
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert noise.min() > 0 and noise.max() < 1
+    assert abs(noise.mean().item() - 0.5) < 0.02
+
+
+def test_sampling_frequencies_follow_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    num = 4000
+    t = _tensors(num, seeds=torch.arange(num, dtype=torch.int64))
+    tokens = sample(probs.log().expand(num, 4).clone(), t).token_ids
+    freq = torch.bincount(tokens, minlength=4).float() / num
+    # 4 standard errors of a binomial proportion at n=4000 is < 0.032.
+    assert torch.allclose(freq, probs, atol=0.032), freq
+
+
+def test_temperature_zero_is_argmax_and_ignores_noise() -> None:
+    logits = torch.randn(6, 50)
+    t = _tensors(6, temperature=torch.zeros(6))
+    assert torch.equal(sample(logits, t).token_ids, logits.argmax(1))
+
+
+def test_top_k_keeps_only_k_candidates() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]]).expand(500, 5).clone()
+    t = _tensors(500, top_k=torch.full((500,), 2), temperature=torch.full((500,), 5.0))
+    assert set(sample(logits, t).token_ids.tolist()) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_nucleus() -> None:
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    t = _tensors(500, top_p=torch.full((500,), 0.8))
+    tokens = sample(probs.log().expand(500, 4).clone(), t).token_ids
+    assert set(tokens.tolist()) == {0, 1}  # 0.6 < 0.8 <= 0.85
+
+
+def test_rows_mix_greedy_top_k_and_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.7], [0.4, 0.35, 0.25], [0.3, 0.3, 0.4]]))
+    t = _tensors(3, temperature=torch.tensor([0.0, 1.0, 1.0]), top_k=torch.tensor([0, 1, 0]))
+    t.top_p = torch.tensor([1.0, 1.0, 0.3])
+    assert sample(logits, t).token_ids.tolist() == [2, 0, 2]
+
+
+def test_penalties_follow_hf_and_openai_definitions() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    t = _tensors(
+        1,
+        repetition_penalty=torch.tensor([2.0]),
+        frequency_penalty=torch.tensor([0.5]),
+        presence_penalty=torch.tensor([0.25]),
+    )
+    t.prompt_tokens = torch.tensor([[0, -1]])  # token 0 in the prompt
+    t.output_tokens = torch.tensor([[1, 2, 2]])  # token 1 once, token 2 twice
+    out = apply_penalties(logits, t)[0].tolist()
+    assert out == pytest.approx([1.0, -4.0 - 0.5 - 0.25, 0.5 - 1.0 - 0.25, 0.5])
+
+
+def test_logprobs_and_top_logprobs() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    t = _tensors(1, temperature=torch.zeros(1))
+    t.need_logprobs, t.max_top_logprobs = True, 2
+    out = sample(logits, t)
+    expected = logits.log_softmax(1)[0]
+    assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
+    assert out.logprobs.item() == pytest.approx(expected[1].item())
+    assert out.top_ids.tolist() == [[1, 2]]
+    assert math.isclose(out.top_logprobs[0, 1].item(), expected[2].item(), rel_tol=1e-6)
+
+
+def test_sampling_tensors_from_sequences() -> None:
+    seqs = [
+        Sequence(
+            "a", [1, 2, 3], 2, SamplingParams(temperature=0.5, seed=-1, frequency_penalty=1.0)
+        ),
+        Sequence("b", [4], 1, SamplingParams(top_k=1, logprobs=True, top_logprobs=3)),
+    ]
+    t = sampling_tensors_for(seqs, torch.device("cpu"))
+    assert t.temperature.tolist() == [0.5, 0.0]  # top_k=1 is greedy
+    assert t.positions.tolist() == [3, 1]
+    assert t.seeds[0].item() == 0  # -1 folds to 0: all 64 bits set, xor-folded
+    assert (t.need_logprobs, t.max_top_logprobs) == (True, 3)
+    assert t.prompt_tokens is not None and t.output_tokens is not None
+    assert t.prompt_tokens.tolist() == [[1, 2], [4, -1]]
+    assert t.output_tokens.tolist() == [[3], [-1]]
+
+
+def test_unseeded_requests_draw_fresh_seeds() -> None:
+    seqs = [Sequence(str(i), [1], 1, SamplingParams(seed=None)) for i in range(4)]
+    t = sampling_tensors_for(seqs, torch.device("cpu"))
+    assert len(set(t.seeds.tolist())) > 1
+    assert t.prompt_tokens is None  # no penalties requested: no history tensors

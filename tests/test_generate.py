@@ -1,0 +1,70 @@
+"""Offline generation: the `pdserve generate` entry point and the batched generate loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.generate import generate, main
+from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.sampling_params import SamplingParams
+from tests.model.checkpoints import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: Path) -> ModelRunner:
+    return ModelRunner(RunnerConfig(str(model_dir), dtype="float32", page_size=4, num_pages=64))
+
+
+def test_json_output_has_prompt_ids_generated_ids_and_text(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(model_dir), "--prompt", "The quick", "--prompt-ids", "5,6,7"]
+    assert main([*argv, "--max-tokens", "5", "--ignore-eos", "--json", "--dtype", "float32"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[1]["prompt_token_ids"] == [5, 6, 7]
+    assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" for r in rows)
+    runner = ModelRunner(RunnerConfig(str(model_dir), dtype="float32", num_pages=16))
+    assert rows[0]["prompt_token_ids"] == runner.tokenizer.encode("The quick")
+    full = runner.tokenizer.decode(rows[0]["token_ids"])
+    # Like the server, a trailing incomplete UTF-8 character is not emitted.
+    assert full.startswith(rows[0]["text"]) and set(full[len(rows[0]["text"]) :]) <= {"\ufffd"}
+
+
+def test_no_prompt_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--max-tokens", "3"]) == 2
+    assert "--prompt" in capsys.readouterr().err
+
+
+def test_batched_generation_equals_one_at_a_time(runner: ModelRunner) -> None:
+    prompts = [[3, 4, 5], [9], list(range(10, 27))]
+    sampling = SamplingParams(max_tokens=6, temperature=0.8, seed=42, ignore_eos=True)
+    together = [r.token_ids for r in generate(runner, prompts, sampling)]
+    alone = [generate(runner, [p], sampling)[0].token_ids for p in prompts]
+    assert together == alone and all(len(t) == 6 for t in together)
+
+
+def test_stop_token_ends_generation_without_its_text(runner: ModelRunner) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    [free] = generate(runner, [[1, 2, 3]], greedy)
+    stop_at = free.token_ids[3]
+    greedy.stop_token_ids = [stop_at]
+    [stopped] = generate(runner, [[1, 2, 3]], greedy)
+    first = free.token_ids.index(stop_at)
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_at)
+
+
+def test_generation_stops_at_max_model_len(model_dir: Path) -> None:
+    small = ModelRunner(
+        RunnerConfig(str(model_dir), dtype="float32", page_size=4, num_pages=64, max_model_len=12)
+    )
+    [result] = generate(small, [list(range(1, 9))], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert len(result.token_ids) == 4 and result.finish_reason == "length"

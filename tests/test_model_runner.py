@@ -1,0 +1,186 @@
+"""ModelRunner: batching, paging, prefix reuse, sampling contract, statelessness."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.protocol import TokenLogprob
+from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.sampling_params import SamplingParams
+from pdserve.sequence import Sequence
+from tests.model.checkpoints import load_reference, write_checkpoint
+
+PAGE_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def runner(checkpoint: Path) -> ModelRunner:
+    return ModelRunner(
+        RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=128)
+    )
+
+
+class PageBook:
+    """Hands out disjoint page ranges for test sequences."""
+
+    def __init__(self) -> None:
+        self.next_page = 0
+
+    def seq(
+        self, seq_id: str, prompt: list[int], sampling: SamplingParams | None = None
+    ) -> Sequence:
+        pages = list(range(self.next_page, self.next_page + 12))
+        self.next_page = (self.next_page + 12) % 120
+        return Sequence(
+            seq_id, list(prompt), len(prompt), sampling or SamplingParams(temperature=0), pages
+        )
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 320, (length,), generator=gen).tolist()
+
+
+def _run(runner: ModelRunner, seqs: list[Sequence], num_steps: int) -> list[list[int]]:
+    """Prefill then decode all ``seqs`` together, applying tokens like the scheduler does."""
+    out = runner.prefill(seqs)
+    for _ in range(num_steps):
+        for s, tok in zip(seqs, out.token_ids, strict=True):
+            s.num_cached_tokens = s.num_tokens
+            s.token_ids.append(tok)
+        out = runner.decode(seqs)
+    return [s.generated_ids + [tok] for s, tok in zip(seqs, out.token_ids, strict=True)]
+
+
+def test_mixed_length_batch_gives_same_greedy_tokens_as_each_prompt_alone(
+    runner: ModelRunner,
+) -> None:
+    book = PageBook()
+    prompts = [_prompt(n, seed=n) for n in (1, 3, 4, 5, 9, 17)]
+    together = _run(runner, [book.seq(f"b{i}", p) for i, p in enumerate(prompts)], 10)
+    alone = [_run(runner, [book.seq(f"a{i}", p)], 10)[0] for i, p in enumerate(prompts)]
+    assert together == alone
+
+
+@pytest.mark.parametrize("length", [1, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1])
+def test_prompts_at_page_boundaries_match_transformers(
+    runner: ModelRunner, checkpoint: Path, length: int
+) -> None:
+    reference = load_reference(checkpoint)
+    seq = PageBook().seq("p", _prompt(length, seed=100 + length))
+    logits = [runner.prefill_logits([seq])[0]]
+    for _ in range(2 * PAGE_SIZE):  # decode across two more page boundaries
+        seq.num_cached_tokens = seq.num_tokens
+        seq.token_ids.append(int(logits[-1].argmax()))
+        logits.append(runner.decode_logits([seq])[0])
+    with torch.no_grad():
+        ref = reference(torch.tensor([seq.token_ids])).logits[0, length - 1 :]
+    torch.testing.assert_close(torch.stack(logits), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_prefill_after_cached_prefix_equals_full_prefill(runner: ModelRunner) -> None:
+    prompt = _prompt(14, seed=7)
+    full = PageBook().seq("full", prompt)
+    expected = runner.prefill_logits([full])
+    # Same pages: first write the 6-token prefix, then prefill the rest on top of it.
+    prefix = Sequence("pre", prompt[:6], 6, page_ids=full.page_ids)
+    runner.prefill_logits([prefix])
+    rest = Sequence("rest", list(prompt), 14, page_ids=full.page_ids, num_cached_tokens=6)
+    other = PageBook().seq("other", _prompt(5, seed=8))
+    other.page_ids = [p + 60 for p in other.page_ids]
+    got = runner.prefill_logits([other, rest])
+    torch.testing.assert_close(got[1:], expected, atol=2e-4, rtol=1e-4)
+
+
+def test_prefill_and_decode_do_not_mutate_sequences(runner: ModelRunner) -> None:
+    seq = PageBook().seq("m", _prompt(6, seed=3), SamplingParams(temperature=0.7, seed=1))
+    before = copy.deepcopy(seq)
+    runner.prefill([seq])
+    seq.num_cached_tokens = seq.num_tokens - 1
+    before.num_cached_tokens = seq.num_cached_tokens
+    runner.decode([seq])
+    assert (seq.token_ids, seq.page_ids, seq.num_cached_tokens) == (
+        before.token_ids, before.page_ids, before.num_cached_tokens,
+    )  # fmt: skip
+
+
+def test_fixed_seed_reproduces_whatever_the_batch(runner: ModelRunner) -> None:
+    book = PageBook()
+    sampling = SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
+    prompt = _prompt(7, seed=11)
+    alone = _run(runner, [book.seq("a", prompt, sampling)], 12)[0]
+    again = _run(runner, [book.seq("b", prompt, sampling)], 12)[0]
+    noise = [
+        book.seq(f"n{i}", _prompt(3 + i, seed=i), SamplingParams(temperature=1.0)) for i in range(3)
+    ]
+    in_batch = _run(runner, [noise[0], book.seq("c", prompt, sampling), *noise[1:]], 12)[1]
+    other_seed = _run(runner, [book.seq("d", prompt, SamplingParams(temperature=1.5, seed=99))], 12)
+    assert alone == again == in_batch
+    assert other_seed[0] != alone
+
+
+def test_top_k_one_and_temperature_zero_equal_greedy(runner: ModelRunner) -> None:
+    book = PageBook()
+    prompt = _prompt(9, seed=21)
+    greedy = _run(runner, [book.seq("g", prompt, SamplingParams(temperature=0.0))], 8)
+    top_k_1 = _run(
+        runner, [book.seq("k", prompt, SamplingParams(temperature=2.0, top_k=1, seed=5))], 8
+    )
+    assert top_k_1 == greedy
+
+
+def test_logprobs_are_aligned_with_inputs_and_only_for_requesting_seqs(runner: ModelRunner) -> None:
+    book = PageBook()
+    asking = book.seq(
+        "lp", _prompt(5, seed=1), SamplingParams(temperature=0, logprobs=True, top_logprobs=3)
+    )
+    silent = book.seq("no", _prompt(6, seed=2))
+    out = runner.prefill([silent, asking])
+    assert out.logprobs is not None and out.logprobs[0] is None
+    lp = out.logprobs[1]
+    assert isinstance(lp, TokenLogprob) and lp.token_id == out.token_ids[1]
+    expected = runner.prefill_logits([asking])[0].log_softmax(-1)
+    top = expected.topk(3)
+    assert [t for t, _ in lp.top] == top.indices.tolist()
+    assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert lp.logprob == pytest.approx(top.values[0].item(), abs=1e-4)  # greedy picks the top
+
+
+def test_batch_without_logprob_requests_returns_none(runner: ModelRunner) -> None:
+    out = runner.prefill([PageBook().seq("x", _prompt(4, seed=4))])
+    assert out.logprobs is None and len(out.token_ids) == 1
+
+
+def test_too_few_pages_is_rejected(runner: ModelRunner) -> None:
+    seq = Sequence("short", _prompt(9, seed=5), 9, SamplingParams(), page_ids=[0, 1])
+    with pytest.raises(ValueError, match="pages"):
+        runner.prefill([seq])
+
+
+def test_stats_count_calls_and_tokens(checkpoint: Path) -> None:
+    runner = ModelRunner(
+        RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=32)
+    )
+    _run(runner, [PageBook().seq("s", _prompt(6, seed=6))], 3)
+    st = runner.stats
+    assert (st.num_prefill_calls, st.num_prefill_tokens, st.num_decode_steps) == (1, 6, 3)
+
+
+def test_kv_pool_is_sized_from_bytes_and_never_reallocated(checkpoint: Path) -> None:
+    runner = ModelRunner(
+        RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, kv_cache_bytes=1 << 20)
+    )
+    assert runner.kv_config.num_pages == (1 << 20) // runner.kv_config.page_bytes
+    address = runner.kv_pool.base_address
+    _run(runner, [PageBook().seq("s", _prompt(6, seed=6))], 2)
+    assert runner.kv_pool.base_address == address
+    assert runner.max_model_len == 256  # the checkpoint's max_position_embeddings
