@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import mmap
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool  # noqa: E402
+from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool, hugepage_zeros  # noqa: E402
 from pdserve.transport.nixl_agent import KVAgent, KVAgentConfig, PoolDescriptor  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
@@ -72,22 +71,10 @@ def cases_for(quick: bool) -> list[Case]:
     return [Case(p, n, lay) for p, n in sizes for lay in ("contiguous", "scattered")]
 
 
-def hugepage_empty_like(t: torch.Tensor) -> torch.Tensor:
-    """A zeroed tensor like ``t`` on anonymous memory advised MADV_HUGEPAGE (THP "madvise")."""
-    buf = mmap.mmap(-1, t.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    out = torch.frombuffer(buf, dtype=torch.uint8)  # holds a reference to buf
-    out.zero_()  # fault it in now, as 2 MiB pages where the kernel can
-    return out.view(t.dtype).view(t.shape)
-
-
 def make_pool(page_kib: int, num_pages: int, hugepages: bool) -> KVPagePool:
     # bf16, 16 tokens, 1 head: head_dim sets the page size (page_bytes = 64 * head_dim)
     cfg = KVCacheConfig(1, 1, page_kib * KIB // 64, num_pages, 16, torch.bfloat16)
-    pool = KVPagePool(cfg)
-    if hugepages:  # what KVPagePool could do itself: see docs/benchmarks.md
-        pool.kv = hugepage_empty_like(pool.kv)
-    return pool
+    return KVPagePool(cfg, hugepages=hugepages)
 
 
 def agent_config(args: argparse.Namespace) -> KVAgentConfig:
@@ -148,7 +135,7 @@ def copy_fn(
 ) -> Callable[[], object]:
     """One in-process copy of the room's bytes in this thread: the bandwidth limit."""
     kv = src_pool.kv
-    target = hugepage_empty_like(kv) if hugepages else torch.empty_like(kv)
+    target = hugepage_zeros(tuple(kv.shape), kv.dtype) if hugepages else torch.empty_like(kv)
     if src == dst == list(range(len(src))):
         a, b = src_pool.kv[: len(src)], target[: len(src)]
         return lambda: b.copy_(a)
@@ -304,7 +291,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-merge", action="store_true", help="skip NIXL descriptor merging")
     p.add_argument("--hot-wait-us", type=float, default=KVAgentConfig().hot_wait_s * 1e6,
                    help="agent poll period right after activity")  # fmt: skip
-    p.add_argument("--hugepages", action="store_true", help="pools on MADV_HUGEPAGE memory")
+    p.add_argument(
+        "--hugepages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pools on MADV_HUGEPAGE memory, as KVPagePool does by default (--no-hugepages: plain)",
+    )
     p.add_argument("--copy-threads", type=int, default=1, help="torch threads of the copy")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -9,6 +9,7 @@ model runner reads and writes and what the transport registers with NIXL.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -32,17 +33,33 @@ class KVCacheConfig:
         return math.ceil(num_tokens / self.page_size)
 
 
+def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed CPU tensor on anonymous memory advised MADV_HUGEPAGE.
+
+    Measured (bench/transfer.py): NIXL/UCX writes between huge-page pools run about 2x faster for
+    large rooms, since the kernel's cross-process copy walks far fewer page-table entries.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps a reference to buf
+    flat.zero_()  # fault it in now, as 2 MiB pages where the kernel can
+    return flat.view(dtype).view(shape)
+
+
 class KVPagePool:
     """Owns the KV tensor. Pages are handed out by a :class:`PageAllocator`."""
 
-    def __init__(self, config: KVCacheConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, config: KVCacheConfig, device: str | torch.device = "cpu", hugepages: bool = True
+    ) -> None:
         self.config = config
         c = config
-        # (P, L, 2, page, Hkv, D)
-        self.kv = torch.zeros(
-            c.num_pages, c.num_layers, 2, c.page_size, c.num_kv_heads, c.head_dim,
-            dtype=c.dtype, device=device,
-        )  # fmt: skip
+        shape = (c.num_pages, c.num_layers, 2, c.page_size, c.num_kv_heads, c.head_dim)
+        if torch.device(device).type == "cpu" and hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
+            self.kv = hugepage_zeros(shape, c.dtype)  # (P, L, 2, page, Hkv, D)
+        else:
+            self.kv = torch.zeros(shape, dtype=c.dtype, device=device)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views of one layer's K and V, each ``(num_pages, page_size, Hkv, D)``."""

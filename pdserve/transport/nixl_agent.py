@@ -3,9 +3,11 @@
 Why one thread: NIXL 1.5.1's own progress thread spins a core while idle and cuts bandwidth, so
 agents are created with ``enable_prog_thread=False`` and progress is ours to drive. Every NIXL call
 (creation, registration, peers, transfers, polling) happens on this thread, so the agent can use
-``NIXL_THREAD_SYNC_NONE``. The thread polls adaptively: tightly while transfers are outstanding,
-short waits just after activity (a burst of rooms), ~1 ms waits when idle (~0% CPU). A receiving
-agent must keep calling into NIXL or writes into it stall; the idle poll does that too.
+``NIXL_THREAD_SYNC_NONE``. The thread polls adaptively (see :class:`KVAgentConfig`): 50 us
+while transfers are outstanding, 200 us just after activity (a burst of rooms), 1 ms for a second
+after that (or while :meth:`KVAgent.keep_warm` asks), then 5 ms (~1% of a core in a VM). A
+command from the loop wakes it at once. The polling (``get_new_notifs``) is also what keeps a
+receiving agent progressing: without it, writes into it stall.
 
 The event loop never calls NIXL: it queues commands (closures) and gets results back through
 ``loop.call_soon_threadsafe``. Loop-side state (peers, outstanding counts, stats) has the loop as
@@ -134,9 +136,12 @@ class KVAgentConfig:
     # poll period. A killed peer still fails writes in both modes (bench/transfer.py, docs).
     ucx_error_handling_mode: str = "none"
     merge_descs: bool = True  # let NIXL merge runs contiguous on both sides (bench lever only)
-    # Polling tiers. A wait ends early when the loop queues a command. In a VM each timed
-    # wake-up costs ~25 us of CPU, so the cold tier is what keeps an idle process near 0%.
-    hot_wait_s: float = 0.00005  # transfers outstanding, or activity within hot_window_s
+    # Polling tiers. A wait ends early when the loop queues a command, so these bound only how
+    # late a transfer's completion or an incoming notification is seen. In a VM each timed
+    # wake-up costs ~20 us of CPU (and GIL hand-offs slow the loop): 50 us polling burns ~40%
+    # of a core, which on a 2-core host made rooms slower, not faster (docs/benchmarks.md).
+    busy_wait_s: float = 0.00005  # transfers outstanding (PROC): tight
+    hot_wait_s: float = 0.0002  # activity within hot_window_s (a burst of rooms)
     hot_window_s: float = 0.01
     idle_wait_s: float = 0.001  # activity within warm_window_s, or keep_warm() asked for it
     warm_window_s: float = 1.0
@@ -533,8 +538,10 @@ class KVAgent:
             if is_busy:
                 last_activity = now
             quiet_s = now - last_activity
-            if self._inflight or quiet_s < cfg.hot_window_s:
-                wait_s = cfg.hot_wait_s  # a real sleep, not a spin: the loop needs the GIL
+            if self._inflight:
+                wait_s = cfg.busy_wait_s  # a real sleep, not a spin: the loop needs the GIL
+            elif quiet_s < cfg.hot_window_s:
+                wait_s = cfg.hot_wait_s
             elif quiet_s < cfg.warm_window_s or now < self._warm_until:
                 wait_s = cfg.idle_wait_s
             else:
