@@ -213,7 +213,7 @@ class Engine:
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(tok)
             if batch.kind == "prefill":
-                if self.handoff is not None and self.handoff.on_prefilled(req, tok):
+                if self.handoff is not None and self.handoff.on_prefilled(req, tok, lp):
                     continue
                 if req.state is RequestState.WAITING:
                     req.move(RequestState.RUNNING, "prefilled")
@@ -229,14 +229,16 @@ class Engine:
         if out.finish_reason is not None:
             self._finish(req, out.finish_reason)
 
-    def start_decoding(self, req: Request, first_token: int) -> None:
+    def start_decoding(
+        self, req: Request, first_token: int, logprob: TokenLogprob | None = None
+    ) -> None:
         """Decode role: the KV of the prompt arrived; the first token came with it."""
         seq = req.seq
         seq.num_cached_tokens = seq.num_tokens
         seq.token_ids.append(first_token)
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
-        self.emit(req, [first_token], None)
+        self.emit(req, [first_token], [logprob] if logprob is not None else None)
         if not req.is_finished:
             self.scheduler.add_running(req)
             self._wake.set()

@@ -12,9 +12,9 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.protocol import EngineError
+from pdserve.engine.protocol import EngineError, TokenLogprob
 from pdserve.engine.request import Request, RequestState
-from pdserve.fsm import DuplicateRoomError, RoomOutcome, RoomState
+from pdserve.fsm import DuplicateRoomError, Room, RoomOutcome, RoomState
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
@@ -42,6 +42,13 @@ def _require_room(req: Request) -> str:
     return req.kv_transfer.room_id
 
 
+def _first_logprob(room: Room) -> TokenLogprob | None:
+    lp = room.data.get("first_logprob")
+    if lp is None:
+        return None
+    return TokenLogprob(int(room.data["first_token"]), lp, tuple(room.data["first_top_logprobs"]))
+
+
 def _duplicate(room_id: str) -> EngineError:
     return EngineError(f"room {room_id!r} is already live", 409, "conflict_error", "duplicate_room")
 
@@ -53,7 +60,7 @@ class Handoff:
     def admit(self, req: Request) -> None:
         raise NotImplementedError
 
-    def on_prefilled(self, req: Request, first_token: int) -> bool:
+    def on_prefilled(self, req: Request, first_token: int, logprob: TokenLogprob | None) -> bool:
         """Return True when the hand-off takes the request after its prefill."""
         return False
 
@@ -83,11 +90,13 @@ class PrefillHandoff(Handoff):
         room.done.add_done_callback(partial(self._on_room_done, req))
         self.engine.enqueue_prefill(req)
 
-    def on_prefilled(self, req: Request, first_token: int) -> bool:
+    def on_prefilled(self, req: Request, first_token: int, logprob: TokenLogprob | None) -> bool:
         req.move(RequestState.PREFILL_INFLIGHT, "prefilled, sending KV")
         self.engine.arm(req, self.engine.config.deadlines.prefill_inflight_s, "timeout:inflight")
         pages = req.seq.page_ids
-        if self.sender.send(req.room_id, pages, req.seq.num_prompt_tokens, first_token):
+        lp, top = (logprob.logprob, logprob.top) if logprob is not None else (None, ())
+        sent = self.sender.send(req.room_id, pages, req.seq.num_prompt_tokens, first_token, lp, top)
+        if sent:
             req.seq.page_ids = []  # the sender owns them now and releases them via on_release
         return True
 
@@ -174,7 +183,7 @@ class DecodeHandoff(Handoff):
             if req.is_finished:  # ended meanwhile (abort raced the last write): pages are ours
                 self.engine.free_pages(pages)
                 return
-            self.engine.start_decoding(req, int(room.data["first_token"]))
+            self.engine.start_decoding(req, int(room.data["first_token"]), _first_logprob(room))
         elif not req.is_finished:
             self.engine.fail(req, error_for_room(outcome))
 

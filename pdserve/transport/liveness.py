@@ -54,6 +54,7 @@ class DecodePeer:
 
     @property
     def key(self) -> str:
+        """``engine@incarnation``: the peer key rooms are bound to (and the NIXL agent name)."""
         return peer_key(self.engine_id, self.incarnation)
 
     def debug_dict(self, now: float) -> dict[str, Any]:
@@ -91,6 +92,7 @@ class DecodePeerManager:
         return peer if peer is not None and peer.incarnation == incarnation else None
 
     def peers(self) -> list[DecodePeer]:
+        """Current registrations."""
         return list(self._by_engine.values())
 
     def is_retired(self, engine_id: str, incarnation: str) -> bool:
@@ -165,9 +167,11 @@ class PrefillLink:
 
     @property
     def key(self) -> str:
+        """``engine@incarnation``: the peer key rooms are bound to (and the NIXL agent name)."""
         return peer_key(self.engine_id, self.incarnation)
 
     def debug_dict(self, now: float) -> dict[str, Any]:
+        """JSON-able snapshot for debug_peers()."""
         return {
             "address": f"{self.host}:{self.port}",
             "engine_id": self.engine_id,
@@ -201,9 +205,11 @@ class PrefillLinkManager:
         self._connecting: dict[tuple[str, int], asyncio.Task[PrefillLink]] = {}
 
     def links(self) -> list[PrefillLink]:
+        """Registered prefill links."""
         return list(self._links.values())
 
     def get(self, host: str, port: int) -> PrefillLink | None:
+        """The link to ``host:port``, if registered."""
         return self._links.get((host, port))
 
     async def connect(self, host: str, port: int, deadline_at: float) -> PrefillLink:

@@ -25,6 +25,7 @@ MAX_METADATA_BYTES = 4 << 20  # NIXL agent metadata is a few KiB; bound it anywa
 MAX_PAGE_ID = (1 << 31) - 1
 MAX_TOKENS = (1 << 31) - 1
 MAX_NONCE = (1 << 63) - 1
+MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_PAGES = 1 << 16
 
 M = TypeVar("M")
@@ -63,6 +64,30 @@ def _int(d: dict[str, Any], key: str, lo: int, hi: int) -> int:
 
 def _opt_int(d: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     return None if d.get(key) is None else _int(d, key, lo, hi)
+
+
+def _logprob(value: Any, key: str) -> float:
+    if type(value) not in (int, float) or not -1e30 <= value <= 0.0:  # also rejects NaN
+        raise MessageError(f"{key!r} must be a log-probability (a float <= 0)")
+    return float(value)
+
+
+def _opt_logprob(d: dict[str, Any], key: str) -> float | None:
+    return None if d.get(key) is None else _logprob(d[key], key)
+
+
+def _top_logprobs(d: dict[str, Any], key: str) -> tuple[tuple[int, float], ...]:
+    value = d.get(key) or []
+    if not isinstance(value, list) or len(value) > MAX_TOP_LOGPROBS:
+        raise MessageError(f"{key!r} must be a list of at most {MAX_TOP_LOGPROBS} pairs")
+    pairs = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int):
+            raise MessageError(f"{key!r} must hold [token_id, logprob] pairs")
+        if not 0 <= item[0] <= MAX_TOKENS:
+            raise MessageError(f"{key!r} holds an out-of-range token id")
+        pairs.append((item[0], _logprob(item[1], key)))
+    return tuple(pairs)
 
 
 def _bool(d: dict[str, Any], key: str) -> bool:
@@ -323,9 +348,14 @@ class DataNotifMsg:
     num_pages: int  # pages written by the room so far, this chunk included
     first_token: int | None = None  # on the last chunk
     checksum: int | None = None  # on the last chunk when TransportConfig.checksum
+    # The first token's logprob and top alternatives, when the request asked for logprobs
+    first_logprob: float | None = None
+    first_top_logprobs: tuple[tuple[int, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"t": "data", **asdict(self)}
+        d = asdict(self)
+        d["first_top_logprobs"] = [list(p) for p in self.first_top_logprobs]
+        return {"t": "data", **d}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DataNotifMsg:
@@ -338,6 +368,8 @@ class DataNotifMsg:
             num_pages=_int(d, "num_pages", 1, MAX_PAGE_ID),
             first_token=_opt_int(d, "first_token", 0, MAX_TOKENS),
             checksum=_opt_int(d, "checksum", 0, MAX_NONCE),
+            first_logprob=_opt_logprob(d, "first_logprob"),
+            first_top_logprobs=_top_logprobs(d, "first_top_logprobs"),
         )
         if msg.is_last and msg.first_token is None:
             raise MessageError("the last chunk must carry first_token")

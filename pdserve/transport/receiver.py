@@ -133,6 +133,7 @@ class FenceManager:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
+        """Start the retry tick (asks again for acks that did not come)."""
         self._tick = self._loop.create_task(self._tick_loop(), name="kv-fence")
 
     async def close(self, grace_s: float) -> None:
@@ -152,14 +153,13 @@ class FenceManager:
 
     @property
     def num_fenced(self) -> int:
+        """Failed rooms whose pages are still fenced."""
         return len(self._entries)
 
     @property
     def num_fenced_pages(self) -> int:
+        """Destination pages still fenced."""
         return sum(len(e.page_ids) for e in self._entries.values())
-
-    def is_fenced(self, nonce: int) -> bool:
-        return nonce in self._entries
 
     def add(self, entry: FenceEntry, ask: bool, is_sender_dead: bool) -> None:
         """Fence ``entry``; ask the sender for its ack now unless it already knows."""
@@ -178,7 +178,7 @@ class FenceManager:
         if entry is not None:
             self._lift(entry, "ack")
 
-    def sender_dead(self, sender_key: str) -> None:
+    def on_sender_dead(self, sender_key: str) -> None:
         """Quarantine every entry of a sender that was declared dead."""
         for entry in list(self._entries.values()):
             if entry.sender_key == sender_key:
@@ -316,6 +316,7 @@ class KVReceiver:
 
     @property
     def agent(self) -> KVAgent:
+        """The NIXL agent (after start())."""
         if self._agent is None:
             raise RuntimeError("KVReceiver.start() was not called")
         return self._agent
@@ -441,7 +442,7 @@ class KVReceiver:
         if not self._is_live(room):
             return True  # failed meanwhile: its fence entry already asks the sender
         if self._links.get(link.host, link.port) is not link:
-            self._fail(room, "peer_lost: prefill lost while posting pages", sender_dead=True)
+            self._fail(room, "peer_lost: prefill link lost while posting pages")
             return True
         self.table.bind_peer(room.room_id, link.key)
         if room.state == _BOOTSTRAPPING:  # data may have overtaken this HTTP answer
@@ -515,7 +516,12 @@ class KVReceiver:
                 room, f"transfer_error: {msg.num_pages} pages written, {len(room.page_ids)} lent"
             )
             return
-        room.data.update(first_token=msg.first_token, num_pages=msg.num_pages)
+        room.data.update(
+            first_token=msg.first_token,
+            first_logprob=msg.first_logprob,
+            first_top_logprobs=msg.first_top_logprobs,
+            num_pages=msg.num_pages,
+        )
         if self.config.checksum:
             self._spawn(self._verify_then_finish(room, msg), f"kv-verify-{room.room_id}")
         else:
@@ -561,7 +567,7 @@ class KVReceiver:
                 self.table.bind_peer(room.room_id, link.key)  # includes rooms mid-POST
         self.table.fail_peer(link.key, reason)
         if is_dead and self._fence is not None:
-            self._fence.sender_dead(link.key)
+            self._fence.on_sender_dead(link.key)
 
     def _on_room_release(self, room: Room) -> None:
         """Table callback. Success: the engine keeps the pages. Failed: release or fence."""

@@ -115,6 +115,7 @@ class KVSender:
 
     @property
     def agent(self) -> KVAgent:
+        """The NIXL agent (after start())."""
         if self._agent is None:
             raise RuntimeError("KVSender.start() was not called")
         return self._agent
@@ -169,9 +170,18 @@ class KVSender:
         logger.debug("room=%s req=%s opened on sender (state %s)", room_id, request_id, room.state)
         return room
 
-    def send(self, room_id: str, page_ids: list[int], num_tokens: int, first_token: int) -> bool:
+    def send(
+        self,
+        room_id: str,
+        page_ids: list[int],
+        num_tokens: int,
+        first_token: int,
+        first_logprob: float | None = None,
+        first_top_logprobs: tuple[tuple[int, float], ...] = (),
+    ) -> bool:
         """Hand the prefilled KV pages of a live room to the transport (it now owns them).
 
+        The first token (and its logprobs, if asked for) travel in the last chunk's notification.
         Returns False, leaving the pages with the caller, when the room is no longer live.
         """
         room = self.table.get(room_id)
@@ -184,6 +194,8 @@ class KVSender:
         room.page_ids = list(page_ids)
         room.data["num_tokens"] = num_tokens
         room.data["first_token"] = first_token
+        room.data["first_logprob"] = first_logprob
+        room.data["first_top_logprobs"] = tuple(first_top_logprobs)
         if room.state == _WAITING:
             self._begin(room)
         return True
@@ -389,6 +401,8 @@ class KVSender:
             num_pages=num_pages,
             first_token=room.data["first_token"] if is_last else None,
             checksum=checksum,
+            first_logprob=room.data["first_logprob"] if is_last else None,
+            first_top_logprobs=room.data["first_top_logprobs"] if is_last else (),
         )
 
     def _record_success(self, room: Room, started: float) -> None:

@@ -84,6 +84,23 @@ async def test_pd_greedy_equals_colocated_equals_offline_runner(
         assert json.loads(offline.stdout.strip().splitlines()[-1])["text"] == pd_text
 
 
+async def test_pd_logprobs_include_the_first_token_and_match_colocated(
+    pd_cluster: Cluster, colocated: Proc
+):
+    async def logprobs(url: str) -> tuple[list[str], list[float]]:
+        resp = await client(url).completions.create(
+            model="demo", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2
+        )
+        lp = resp.choices[0].logprobs
+        assert all(len(top) == 2 for top in lp.top_logprobs)
+        return lp.tokens, lp.token_logprobs
+
+    pd_tokens, pd_lps = await logprobs(pd_cluster.router.url)
+    colo_tokens, colo_lps = await logprobs(colocated.url)
+    assert pd_tokens == colo_tokens and len(pd_tokens) == 6
+    assert pd_lps == pytest.approx(colo_lps, abs=1e-3)
+
+
 async def test_pd_streaming_chat_matches_non_streaming(pd_cluster: Cluster):
     c = client(pd_cluster.router.url)
     messages = [{"role": "user", "content": "Tell me a story"}]
