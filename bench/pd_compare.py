@@ -1,0 +1,183 @@
+"""PD vs colocated vs a plain `transformers` loop, side by side in one run, on one checkpoint.
+
+    python bench/pd_compare.py --config small --concurrency 1,8 --num-requests 16
+
+For each deployment (the PD cluster: router + prefill + decode; one colocated worker) it runs
+bench/serving.py's load (exact 128-token prompts, 128 output tokens, ignore_eos) at each
+concurrency, one deployment at a time so they never share the 2 cores; then `transformers`
+``generate`` on the same weights with batches of the same size. It prints throughput and TTFT
+with ratios, and the vLLM CPU anchor figures from issue 4 for reference (measured there, not here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port  # noqa: E402
+from bench.serving import BenchConfig, run_benchmark  # noqa: E402
+from pdserve.model.demo import DemoShape, ensure_demo_model, write_demo_model  # noqa: E402
+
+# Issue 3's reference shapes (Llama, bf16, head_dim 64); the vocabulary comes from the tokenizer
+# trained for the checkpoint (close to 32000).
+SHAPES = {
+    "tiny": DemoShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                      intermediate_size=512, target_vocab_size=32000, max_corpus_bytes=6_000_000),
+    "small": DemoShape(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
+                       intermediate_size=2816, target_vocab_size=32000,
+                       max_corpus_bytes=6_000_000),
+}  # fmt: skip
+# vLLM 0.32 CPU build, tuned, colocated, 128 in / 128 out, on these machines (issue 4).
+VLLM_ANCHOR_TOK_S = {("tiny", 1): "240-310", ("tiny", 8): "980-1220",
+                     ("small", 1): "41-50", ("small", 8): "224-233"}  # fmt: skip
+PERF_ARGS = ("--kv-cache-mb", "256", "--heartbeat-interval", "1.0")
+
+
+def checkpoint(name: str, root: Path) -> Path:
+    if name == "demo":
+        return ensure_demo_model()
+    return write_demo_model(root / name, SHAPES[name])
+
+
+async def serve_load(url: str, model_dir: Path, args: argparse.Namespace, conc: int) -> dict:
+    cfg = BenchConfig(
+        base_url=url, model="bench", endpoint="completions", input_len=args.input_len,
+        output_len=args.output_len, num_requests=max(args.num_requests, conc), concurrency=conc,
+        tokenizer=str(model_dir), is_progress_shown=False, num_warmup=2,
+    )  # fmt: skip
+    return await run_benchmark(cfg)
+
+
+async def bench_pd(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
+    spec = ClusterSpec(model_dir=str(model_dir), served_model_name="bench",
+                       worker_args=PERF_ARGS, router_args=())  # fmt: skip
+    async with Cluster(spec) as cluster:
+        return {c: await serve_load(cluster.router.url, model_dir, args, c) for c in args.conc}
+
+
+async def bench_colocated(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "colocated.log"
+    proc = ManagedProc("colocated", "colocated",
+                       ["serve", "--role", "colocated", "--model", str(model_dir), "--port",
+                        str(port), "--served-model-name", "bench", *PERF_ARGS],
+                       f"http://127.0.0.1:{port}", log)  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        proc.start()
+        try:
+            await proc.wait_ready(session, ClusterSpec(model_dir="").max_ready_s)
+            return {c: await serve_load(proc.url, model_dir, args, c) for c in args.conc}
+        finally:
+            await asyncio.to_thread(proc.stop)
+
+
+def bench_transformers(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
+    """`model.generate` on batches of `concurrency` prompts: the plain-loop baseline."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    vocab = model.config.vocab_size
+    out: dict[int, dict] = {}
+    for conc in args.conc:
+        ids = torch.randint(
+            3, vocab, (conc, args.input_len), generator=torch.Generator().manual_seed(0)
+        )
+        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(
+                ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **kw
+            )
+            total = time.perf_counter() - t0
+        out[conc] = {"output_throughput": conc * args.output_len / total,
+                     "ttft_ms": {"p50": ttft * 1000},
+                     "tpot_ms": {"p50": (total - ttft) / (args.output_len - 1) * 1000}}  # fmt: skip
+    return out
+
+
+def _metric(summary: dict, *path: str) -> float | None:
+    value: Any = summary
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> list[dict]:
+    rows = []
+    print(f"\n== {name}: {conc} concurrency, tok/s = output tokens per second ==")
+    print(f"{'deployment':<14}{'conc':>5}{'tok/s':>10}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
+          f"{'x colocated':>13}{'x transformers':>16}{'vLLM tok/s':>12}")  # fmt: skip
+    for c in conc:
+        base = _metric(results["colocated"][c], "output_throughput")
+        hf = _metric(results["transformers"][c], "output_throughput")
+        for dep in ("pd", "colocated", "transformers"):
+            s = results[dep][c]
+            tps = _metric(s, "output_throughput") or 0.0
+            row = {"config": name, "deployment": dep, "concurrency": c, "tok_s": tps,
+                   "ttft_p50_ms": _metric(s, "ttft_ms", "p50"),
+                   "tpot_p50_ms": _metric(s, "tpot_ms", "p50"),
+                   "x_colocated": tps / base if base else None,
+                   "x_transformers": tps / hf if hf else None,
+                   "errors": s.get("num_errors", 0)}  # fmt: skip
+            rows.append(row)
+            print(f"{dep:<14}{c:>5}{tps:>10.1f}{row['ttft_p50_ms'] or 0:>13.1f}"
+                  f"{row['tpot_p50_ms'] or 0:>13.2f}{row['x_colocated'] or 0:>13.2f}"
+                  f"{row['x_transformers'] or 0:>16.2f}"
+                  f"{VLLM_ANCHOR_TOK_S.get((name, c), '-'):>12}")  # fmt: skip
+    return rows
+
+
+async def run_all(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-ckpt-") as tmp:
+        for name in args.configs:
+            model_dir = checkpoint(name, Path(tmp))
+            results = {
+                "pd": await bench_pd(model_dir, args),
+                "colocated": await bench_colocated(model_dir, args),
+                "transformers": await asyncio.to_thread(bench_transformers, model_dir, args),
+            }
+            rows += report(name, results, args.conc)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default="tiny,small", help="comma list of tiny, small, demo")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    args.configs = args.config.split(",")
+    args.conc = [int(c) for c in args.concurrency.split(",")]
+    rows = asyncio.run(run_all(args))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+    errors = sum(r["errors"] or 0 for r in rows)
+    pd_ratio = statistics.median(r["x_colocated"] or 0 for r in rows if r["deployment"] == "pd")
+    print(f"\nrequests that failed: {errors}; median PD/colocated throughput: {pd_ratio:.2f}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
