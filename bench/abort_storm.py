@@ -46,6 +46,7 @@ from bench.cluster import (  # noqa: E402
 COMPLETED, ABORTED, ERROR = "completed", "aborted", "error"
 NEVER_ANSWERED, TRUNCATED, MALFORMED = "never_answered", "truncated", "malformed"
 ABORT_NONE, ABORT_EARLY, ABORT_MID = "none", "before_first_token", "mid_stream"
+QUICK = {"num_requests": 100, "concurrency": 12, "num_rounds": 2}  # --quick: the CI size
 WORDS = ("alpha", "delta", "kilo", "lima", "oscar", "tango", "zulu", "quartz", "fern", "moss")
 
 
@@ -202,6 +203,9 @@ async def run_request(
             task.cancel()  # closes the connection: the router sees its client leave
             await asyncio.gather(task, return_exceptions=True)
             result.outcome = ABORTED if plan.abort == ABORT_EARLY else NEVER_ANSWERED
+        elif task.exception() is not None:  # an answer this client could not make sense of
+            result.outcome = MALFORMED
+            result.error_kind = f"client:{type(task.exception()).__name__}"
     finally:
         task.cancel()
         result.elapsed_s = round(time.monotonic() - started, 4)
@@ -278,9 +282,6 @@ def _stream_outcome(r: RequestResult) -> str:
     if r.error_kind:
         return ERROR
     return COMPLETED if r.finish_reason is not None else MALFORMED
-
-
-QUICK = {"num_requests": 100, "concurrency": 12, "num_rounds": 2}
 
 
 @dataclass
@@ -398,7 +399,8 @@ async def run_abort_storm(
 ) -> StormSummary:
     """The whole bench: on ``target`` when given, else on a fresh cluster from ``spec``."""
     if target is not None:
-        async with aiohttp.ClientSession() as session:
+        connector = aiohttp.TCPConnector(force_close=True)  # a hang-up closes its connection
+        async with aiohttp.ClientSession(connector=connector) as session:
             return await run_storm(session, target, cfg)
     assert spec is not None
     async with Cluster(spec) as cluster:
@@ -492,8 +494,6 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(summary))
     return 0 if summary.is_ok else 1
 
-
-__all__ = ["NEVER_ANSWERED", "StormSummary", "run_abort_storm", "run_storm"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

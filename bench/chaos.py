@@ -123,24 +123,31 @@ async def kill_phase(cluster: Cluster, cfg: ChaosConfig, role: str, cycle: int) 
     victim.start()
     await victim.wait_ready(cluster.session, cluster.spec.max_ready_s)
     report.restart_s = round(time.monotonic() - killed_at, 2)
+    rejoin = asyncio.create_task(_rejoin(cluster, cfg, report, label))  # while the storm goes on
     report.summary.add(await storm)
+    report.summary.invariants.append(await rejoin)
     await _after_restart(cluster, cfg, report, label)
     return report
+
+
+async def _rejoin(cluster: Cluster, cfg: ChaosConfig, report: PhaseReport, label: str) -> Invariant:
+    """From the restarted process's readiness until the router uses every worker's current
+    life; nothing else is restarted or told anything."""
+    ready_at = time.monotonic()
+    name = f"{label}: rejoined with no action"
+    try:
+        await cluster.wait_router_sees_all(cfg.max_recover_s)
+    except TimeoutError as e:
+        return Invariant(name, False, str(e))
+    report.rejoin_s = round(time.monotonic() - ready_at, 2)
+    return Invariant(name, True, f"router sees every worker's new life {report.rejoin_s}s after")
 
 
 async def _after_restart(
     cluster: Cluster, cfg: ChaosConfig, report: PhaseReport, label: str
 ) -> None:
-    """Rejoin, recovery, request and idle invariants of a phase."""
+    """Recovery, request and idle invariants of a phase."""
     summary = report.summary
-    started = time.monotonic()
-    try:
-        await cluster.wait_router_sees_all(cfg.max_recover_s)
-        report.rejoin_s = round(time.monotonic() - started, 2)
-        is_back, detail = True, f"router sees every worker's new life after {report.rejoin_s}s"
-    except TimeoutError as e:
-        is_back, detail = False, str(e)
-    summary.invariants.append(Invariant(f"{label}: rejoined with no action", is_back, detail))
     summary.invariants.append(await serves_again(cluster, cfg, summary, label))
     is_router_killed = report.killed == cluster.router.name
     summary.invariants[:0] = request_invariants(summary, allow_truncated=is_router_killed)
@@ -155,11 +162,12 @@ async def serves_again(
     burst that must complete in full. Their results count in the phase's summary."""
     probe = replace(cfg.storm, router_url=cluster.router.url, num_requests=1, abort_fraction=0.0)
     deadline = time.monotonic() + cfg.max_recover_s
-    for attempt in range(10_000):
-        [result] = await run_round(
-            cluster.session, probe, f"{label}-probe{attempt}", StormProgress()
-        )
+    num_probes = 0
+    while True:
+        label_i = f"{label}-probe{num_probes}"
+        [result] = await run_round(cluster.session, probe, label_i, StormProgress())
         summary.add([result])
+        num_probes += 1
         if result.outcome == COMPLETED:
             break
         if time.monotonic() > deadline:
@@ -177,27 +185,32 @@ async def faults_phase(cluster: Cluster, cfg: ChaosConfig) -> PhaseReport:
     """Restart the workers with fault plans, run a storm round on them."""
     label = "faults"
     report = PhaseReport(label, StormSummary())
-    seed = cfg.storm.seed
     restarts = [
-        cluster.restart(p, ("--fault-plan", _with_seed(plan, seed + i)))
-        for i, (p, plan) in enumerate(_fault_targets(cluster, cfg))
+        cluster.restart(proc, ("--fault-plan", _with_seed(plan, cfg.storm.seed + i)))
+        for i, (proc, plan) in enumerate(_fault_targets(cluster, cfg))
     ]
     await asyncio.gather(*restarts)
-    await cluster.wait_router_sees_all(cfg.max_recover_s)
-    report.summary.add(await run_round(cluster.session, cfg.storm, label, StormProgress()))
+    rejoined = await _rejoin(cluster, cfg, report, label)
     summary = report.summary
-    summary.invariants = request_invariants(summary)
+    summary.add(await run_round(cluster.session, cfg.storm, label, StormProgress()))
+    summary.invariants = [*request_invariants(summary), rejoined]
     idle = await check_idle(cluster.session, cluster.target(), cfg.max_idle_wait_s)
     summary.invariants += idle_invariants(idle, label)
-    for proc in cluster.workers:
-        metrics = await scrape(cluster.session, proc.url)
-        for key, value in metrics.items():
-            if key.startswith("pdserve_transport_fault_") and key.endswith("_total"):
-                name = key.removeprefix("pdserve_transport_fault_").removesuffix("_total")
-                report.faults[name] = report.faults.get(name, 0) + value
+    report.faults = await fault_counters(cluster)
     injected = sum(report.faults.values())
     summary.invariants.append(Invariant("faults: injected", injected > 0, f"{report.faults}"))
     return report
+
+
+async def fault_counters(cluster: Cluster) -> dict[str, float]:
+    """``pdserve_transport_fault_*`` summed over the workers: what was really injected."""
+    out: dict[str, float] = {}
+    for proc in cluster.workers:
+        for key, value in (await scrape(cluster.session, proc.url)).items():
+            if key.startswith("pdserve_transport_fault_") and key.endswith("_total"):
+                name = key.removeprefix("pdserve_transport_fault_").removesuffix("_total")
+                out[name] = out.get(name, 0) + value
+    return out
 
 
 def _fault_targets(cluster: Cluster, cfg: ChaosConfig) -> list[tuple[ManagedProc, str]]:
