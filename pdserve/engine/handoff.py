@@ -175,7 +175,10 @@ class DecodeHandoff(Handoff):
         except Exception as e:  # the room was never created: the pages are still ours
             logger.exception("req=%s room=%s: open_room failed", req.request_id, kvt.room_id)
             req.pages_in_room = False
-            self.engine.fail(req, EngineError(f"bootstrap_error: {e}", 503, "service_unavailable"))
+            error = EngineError(
+                f"bootstrap_error: {e}", 503, "service_unavailable", "bootstrap_error"
+            )
+            self.engine.fail(req, error)
             return
         outcome = await asyncio.shield(room.done)
         if outcome.state == RoomState.SUCCESS:

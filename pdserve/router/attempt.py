@@ -168,6 +168,9 @@ class Attempt:
         if exc.reply is not None and exc.reply.is_client_error:
             self._verdict(leg, ok=True)  # the worker is fine; the request is not
             raise AttemptFailed(str(exc), status=exc.reply.status, reply=exc.reply, is_final=True)
+        if exc.reply is not None and exc.reply.is_peer_failure:
+            self._verdict(leg, ok=True)  # it answered; its KV peer failed: retry, don't trip it
+            raise AttemptFailed(str(exc), blame=leg.worker, reply=exc.reply)
         self._verdict(leg, ok=False, reason=exc.reason)
         raise AttemptFailed(str(exc), blame=leg.worker, reply=exc.reply)
 

@@ -27,6 +27,14 @@ WriteFn = Callable[[bytes], Awaitable[None]]
 _EVENT_END = b"\n\n"
 
 
+# Error codes a PD worker uses when a request failed because of its KV peer (engine/handoff.py).
+PEER_FAILURE_CODES = (
+    "peer_lost", "transfer_error", "bootstrap_error", "aborted",
+    "timeout:Bootstrapping", "timeout:WaitingForInput", "timeout:Transferring",
+    "timeout:waiting_for_kv", "timeout:inflight",
+)  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamReply:
     """A complete worker answer (used for error replies and non-streaming bodies)."""
@@ -38,6 +46,18 @@ class UpstreamReply:
     @property
     def is_client_error(self) -> bool:
         return self.status in CLIENT_ERROR_STATUSES
+
+    @property
+    def is_peer_failure(self) -> bool:
+        """The worker answered that its KV peer failed (lost, transfer error, room timeout):
+        the worker itself is healthy, so its circuit breaker must not count this."""
+        if self.status not in (503, 504):
+            return False
+        try:
+            code = orjson.loads(self.body)["error"]["code"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return False
+        return isinstance(code, str) and code.startswith(PEER_FAILURE_CODES)
 
 
 class LegError(Exception):

@@ -493,9 +493,16 @@ class KVSender:
     async def _sweep_loop(self) -> None:
         period = self.config.heartbeat_interval_s / 4
         loop = asyncio.get_running_loop()
+        expected = loop.time() + period
         while True:
             await asyncio.sleep(period)  # liveness sweep cadence
             now = loop.time()
+            stalled = now - expected > self.config.heartbeat_interval_s
+            expected = now + period
+            if stalled:  # this loop was starved: heartbeats may be queued unread, judge next round
+                logger.warning("liveness sweep woke %.2fs late; not expiring peers this round",
+                               now - expected + period)  # fmt: skip
+                continue
             for peer in self.peers.expired(now):
                 silent = now - peer.last_seen
                 self._lose_peer(peer.key, f"peer_lost: no heartbeat for {silent:.2f}s")

@@ -60,6 +60,7 @@ class FakeWorker:
         self.is_ready = True
         self.num_chunks = 4
         self.fail_status: int | None = None  # answer completions with this error status
+        self.fail_code: str | None = None  # ... and this OpenAI error code
         self.is_hanging = False  # completions never answer until cancelled or aborted
         self.kv_wait_timeout_s = 5.0
         self.gate: asyncio.Semaphore | None = None  # each chunk after the first waits on it
@@ -166,7 +167,7 @@ class FakeWorker:
             await aborted.wait()
             return _error(503, "aborted while hanging")
         if self.fail_status is not None:
-            return _error(self.fail_status, f"told to fail with {self.fail_status}")
+            return _error(self.fail_status, f"told to fail with {self.fail_status}", self.fail_code)
         kv = body.get("kv_transfer_params")
         if self.role == "prefill":
             self.board.mark_sent(kv["room_id"])
@@ -220,8 +221,8 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "fake_error", "param": None, "code": None}}
+def _error(status: int, message: str, code: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": "fake_error", "param": None, "code": code}}
     return web.json_response(body, status=status)
 
 

@@ -196,3 +196,19 @@ async def test_client_hanging_up_right_after_done_is_not_a_disconnect(
     await wait_until(lambda: router.stats.requests_by_status["200"] == 1)
     assert router.stats.num_client_disconnects == 0
     assert decode.aborts == [] and prefill.aborts == []
+
+
+async def test_peer_failure_reply_is_retried_without_tripping_the_workers_breaker(
+    make_worker, make_router
+):
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    prefill.fail_status, prefill.fail_code = 503, "transfer_error"
+    router = await make_router(
+        prefill_urls=(prefill.url,), decode_urls=(decode.url,), max_attempts=2,
+        breaker_failures=1,
+    )  # fmt: skip
+    status, raw = await post(router, CHAT, rid="pl-1")
+    assert status == 503 and b"told to fail" in raw
+    assert router.stats.num_retries == 1
+    breaker = next(w.breaker for w in router.workers.all() if w.url == prefill.url)
+    assert breaker.state == "closed" and breaker.num_failures == 0
