@@ -122,7 +122,7 @@ class EngineCollector:
     def _ages(self, role: str) -> Iterator[Metric]:
         g = GaugeMetricFamily(
             "pdserve_oldest_nonterminal_age_seconds",
-            "Age in its current state of the oldest live request or room, by state",
+            "Oldest live request (time in its current state) or room (age since created), by state",
             labels=["role", "state"],
         )
         for state, age in self.engine.oldest_age_by_state().items():
@@ -170,11 +170,14 @@ def _room_metrics(role: str, table: RoomTable) -> Iterator[Metric]:
 
 
 def _transport_metrics(role: str, stats: dict[str, Any]) -> Iterator[Metric]:
+    """Transport stats: ``num_*``/``peak_*`` are levels (gauges), everything else only grows."""
     for key, value in sorted(stats.items()):
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
-        c = CounterMetricFamily(
-            f"pdserve_transport_{key}", f"KV transport counter {key}", labels=["role"]
-        )
-        c.add_metric([role], value)
-        yield c
+        name = f"pdserve_transport_{key}"
+        if key.startswith(("num_", "peak_")):
+            m: Metric = GaugeMetricFamily(name, f"KV transport level {key}", labels=["role"])
+        else:
+            m = CounterMetricFamily(name, f"KV transport counter {key}", labels=["role"])
+        m.add_metric([role], value)
+        yield m

@@ -31,7 +31,12 @@ class RequestState(enum.StrEnum):
 # Allowed lifecycle moves; FINISHED is absorbing.
 _NEXT: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset(
-        {RequestState.RUNNING, RequestState.PREFILL_INFLIGHT, RequestState.FINISHED}
+        {
+            RequestState.RUNNING,
+            RequestState.PREFILL_INFLIGHT,
+            RequestState.WAITING_FOR_KV,  # decode role: admitted, pages lent to a KV room
+            RequestState.FINISHED,
+        }
     ),
     RequestState.WAITING_FOR_KV: frozenset({RequestState.RUNNING, RequestState.FINISHED}),
     RequestState.PREFILL_INFLIGHT: frozenset({RequestState.FINISHED}),
@@ -53,6 +58,7 @@ class Request:
     finish_reason: str | None = None
     error: EngineError | None = None
     reason: str | None = None  # why the last move happened
+    last_transition: tuple[str, str, str] | None = None  # (from, to, reason)
     deadline: asyncio.TimerHandle | None = None  # of the current state
     overall_deadline: asyncio.TimerHandle | None = None
     pages_in_room: bool = False  # decode: pages lent to a KV room (the room frees them on failure)
@@ -82,6 +88,7 @@ class Request:
             "req=%s room=%s %s -> %s reason=%s",
             self.request_id, self.room_id, self.state.value, to.value, reason,
         )  # fmt: skip
+        self.last_transition = (self.state.value, to.value, reason)
         self.state, self.reason, self.state_entered = to, reason, time.monotonic()
         return True
 
@@ -96,4 +103,14 @@ class Request:
             "num_generated_tokens": self.seq.num_generated,
             "num_pages": len(self.seq.page_ids),
             "reason": self.reason,
+            "last_transition": list(self.last_transition) if self.last_transition else None,
+            "deadline_in_s": _remaining(self.deadline),
+            "overall_deadline_in_s": _remaining(self.overall_deadline),
         }
+
+
+def _remaining(timer: asyncio.TimerHandle | None) -> float | None:
+    # TimerHandle.when() is in loop time (monotonic on the default and uvloop loops).
+    if timer is None or timer.cancelled():
+        return None
+    return round(timer.when() - asyncio.get_running_loop().time(), 4)

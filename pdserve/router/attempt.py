@@ -169,8 +169,11 @@ class Attempt:
             self._verdict(leg, ok=True)  # the worker is fine; the request is not
             raise AttemptFailed(str(exc), status=exc.reply.status, reply=exc.reply, is_final=True)
         if exc.reply is not None and exc.reply.is_peer_failure:
-            self._verdict(leg, ok=True)  # it answered; its KV peer failed: retry, don't trip it
-            raise AttemptFailed(str(exc), blame=leg.worker, reply=exc.reply)
+            # It answered; its KV peer failed. Don't trip its breaker, and steer the retry away
+            # from the peer: a decode reporting a dead/hung prefill blames that prefill.
+            self._verdict(leg, ok=True)
+            peer = self._prefill if leg is not self._prefill and self._prefill else leg
+            raise AttemptFailed(str(exc), blame=peer.worker, reply=exc.reply)
         self._verdict(leg, ok=False, reason=exc.reason)
         raise AttemptFailed(str(exc), blame=leg.worker, reply=exc.reply)
 

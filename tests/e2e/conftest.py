@@ -18,10 +18,19 @@ import pytest
 READY_TIMEOUT_S = 180.0
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free 127.0.0.1 port not handed out before in this test session (the OS may offer a
+    just-closed port twice; two servers on one port would fail to start)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 @dataclass
@@ -365,3 +374,34 @@ def _on_sse_line(res: StreamResult, line: bytes, first_event: Any) -> None:
         if choice.get("text"):
             res.num_tokens += 1
         res.finish_reason = choice.get("finish_reason") or res.finish_reason
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: all held at once, so no two are the same."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def assign_distinct_ports(procs: list[Proc]) -> None:
+    """Give every ``--port`` and ``--bootstrap-port`` of ``procs`` its own free port (call before
+    starting them). ``worker`` and ``router`` pick each port alone, so two picks can collide;
+    router arguments naming a worker URL follow the worker's new port."""
+    slots = [(p, i) for p in procs for i, a in enumerate(p.argv) if a in PORT_FLAGS]
+    renamed: dict[str, str] = {}
+    for (p, i), port in zip(slots, free_ports(len(slots)), strict=True):
+        p.argv[i + 1] = str(port)
+        if p.argv[i] == "--port":
+            new_url = f"http://127.0.0.1:{port}"
+            renamed[p.url] = new_url
+            p.url = new_url
+    for p in procs:
+        p.argv = [renamed.get(a, a) for a in p.argv]
+
+
+PORT_FLAGS = ("--port", "--bootstrap-port")

@@ -22,8 +22,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
+from pdserve.transport import KVAgent
+from pdserve.transport.messages import PoolDescMsg, RegisterMsg
 from tests.e2e.conftest import (
     Cluster,
+    assign_distinct_ports,
     fetch,
     get_json,
     router,
@@ -85,12 +89,15 @@ HOSTILE = _hostile_cases()
 def cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("hostile")
     flags = ["--api-key", KEY, "--max-body-kb", str(MAX_BODY // 1024)]
-    pre = worker(tmp, "prefill-0", "prefill", demo_model_dir, *flags).start()
+    pre = worker(tmp, "prefill-0", "prefill", demo_model_dir, *flags)
     # The victim room of the bootstrap test ends by this deadline (the prefill's is 60 s).
     victim_deadline = ["--timeout-waiting-for-input", str(VICTIM_DEADLINE_S)]
-    dec = worker(tmp, "decode-0", "decode", demo_model_dir, *flags, *victim_deadline).start()
-    rt = router(tmp, [pre], [dec], "--api-key", KEY, "--max-body-bytes", str(MAX_BODY)).start()
+    dec = worker(tmp, "decode-0", "decode", demo_model_dir, *flags, *victim_deadline)
+    rt = router(tmp, [pre], [dec], "--api-key", KEY, "--max-body-bytes", str(MAX_BODY))
     c = Cluster(pre, dec, rt)
+    assign_distinct_ports(c.procs)
+    for p in c.procs:
+        p.start()
     try:
         for p in c.procs:
             p.wait_ready()
@@ -143,10 +150,12 @@ async def test_api_key_is_required_on_router_and_workers(cluster: Cluster, targe
 
 # -- fuzz ----------------------------------------------------------------------------------------
 
+_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats()
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
+    _scalars | st.text(max_size=12) | st.just([]) | st.just({}),
     lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+        st.lists(inner, min_size=1, max_size=4)
+        | st.dictionaries(st.text(max_size=8), inner, min_size=1, max_size=4)
     ),
     max_leaves=8,
 )
@@ -226,10 +235,8 @@ class Rogue:
     """A NIXL agent in this process posing as a decode engine (real metadata, tiny pool)."""
 
     def __init__(self, model_dir: Path, incarnation: str) -> None:
-        from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
-        from pdserve.transport import KVAgent
-
         cfg = json.loads((model_dir / "config.json").read_text())
+        # The workers' page size and dtype (defaults): the prefill checks page_bytes.
         kv = KVCacheConfig(
             cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"], num_pages=4
         )
@@ -239,8 +246,6 @@ class Rogue:
         self.agent.start()
 
     def register_msg(self, **override: Any) -> dict[str, Any]:
-        from pdserve.transport.messages import PoolDescMsg, RegisterMsg
-
         desc = PoolDescMsg.from_dict(self.agent.descriptor.to_json())
         msg = RegisterMsg(**self.ident, agent_name=self.agent.name, metadata=self.agent.metadata,
                           descriptor=desc)  # fmt: skip

@@ -24,6 +24,7 @@ import pytest
 from tests.e2e.conftest import (
     Cluster,
     Metrics,
+    assign_distinct_ports,
     fetch,
     get_json,
     idle_problems,
@@ -35,10 +36,12 @@ from tests.e2e.conftest import (
     worker,
 )
 
-STUCK_DEADLINE_S = 3.0  # the decode's room deadlines; the prefill keeps its defaults (30-60 s)
-DECODE_DEADLINES = ["--timeout-bootstrap", "3", "--timeout-waiting-for-input", "3",
+STUCK_DEADLINE_S = 3.0  # the decode's WaitingForInput deadline; the prefill keeps its 60 s
+DECODE_DEADLINES = ["--timeout-bootstrap", "10", "--timeout-waiting-for-input", "3",
                     "--timeout-transfer", "3", "--timeout-waiting-for-kv", "10"]  # fmt: skip
-SLACK_S = 2.0
+SLACK_S = 3.0
+AGE_STEP_S = 0.5  # how much the oldest-age gauge must grow while we watch
+WAITING = "WaitingForInput"
 STREAM = {"model": "demo", "prompt": "Tell me", "max_tokens": 64, "ignore_eos": True}
 COUNTER_FAMILIES = ["pdserve_request_timeouts", "pdserve_room_timeouts", "pdserve_aborts",
                     "pdserve_fsm_rejected_transitions", "pdserve_rooms_ended",
@@ -52,6 +55,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     dec = worker(tmp, "decode-0", "decode", demo_model_dir, *DECODE_DEADLINES)
     rt = router(tmp, [pre], [dec])
     c = Cluster(pre, dec, rt)
+    assign_distinct_ports(c.procs)
     for p in c.procs:
         p.env["PDSERVE_LOG_LEVEL"] = "DEBUG"
         p.start()
@@ -100,9 +104,12 @@ async def _observe_stuck(c: Cluster) -> StuckRun:
         headers = {"X-Request-Id": run.request_id}
         task = asyncio.create_task(fetch(s, "POST", f"{dec.url}/v1/completions", body, headers))
 
-        async def listed() -> bool:
-            rooms = (await get_json(s, f"{pre.url}/debug/rooms"))["data"]
-            return any(r["id"] == run.room_id for r in rooms)
+        async def listed() -> bool:  # the pages reached the prefill, and the decode knows it
+            for p in (pre, dec):
+                rooms = (await get_json(s, f"{p.url}/debug/rooms"))["data"]
+                if not any(r["id"] == run.room_id and r["state"] == WAITING for r in rooms):
+                    return False
+            return True
 
         await wait_for(listed, STUCK_DEADLINE_S, "the stuck room on both sides")
         run.metrics_early = await scrape(s, dec.url)
@@ -113,7 +120,7 @@ async def _observe_stuck(c: Cluster) -> StuckRun:
 
         async def older() -> Metrics | None:
             m = await scrape(s, dec.url)
-            return m if _oldest(m, "room") >= early + 1.0 else None
+            return m if _oldest(m, "room") >= early + AGE_STEP_S else None
 
         run.metrics_later = await wait_for(older, STUCK_DEADLINE_S, "the oldest age to grow")
         status, raw = await asyncio.wait_for(task, STUCK_DEADLINE_S + 30)
@@ -150,7 +157,7 @@ def test_oldest_age_gauge_grows_while_stuck_and_is_zero_after(stuck: StuckRun):
     early, later = stuck.metrics_early, stuck.metrics_later
     assert early is not None and later is not None and stuck.decode_after is not None
     for kind in ("room", "request"):
-        assert _oldest(later, kind) >= _oldest(early, kind) + 1.0 > 1.0
+        assert _oldest(later, kind) >= _oldest(early, kind) + AGE_STEP_S > AGE_STEP_S
     for m in (stuck.decode_after, stuck.prefill_after):
         assert m is not None
         ages = m.by_label("pdserve_oldest_nonterminal_age_seconds", "state")
@@ -176,12 +183,6 @@ def test_timeout_abort_and_rejected_transition_counters_exist(stuck: StuckRun):
         assert not set(COUNTER_FAMILIES) - m.families
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: engine/request.py _NEXT[WAITING] lacks WAITING_FOR_KV, so DecodeHandoff.admit's "
-    "move is refused: a decode request waiting for KV shows as 'waiting' (wrong gauge) and an "
-    "abort of it leaves its room alive (on_finish checks prev is WAITING_FOR_KV)",
-)
 def test_stuck_decode_request_is_counted_as_waiting_for_kv(stuck: StuckRun):
     (req,) = [r for r in stuck.decode_requests if r["request_id"] == stuck.request_id]
     m = stuck.metrics_early
@@ -191,23 +192,12 @@ def test_stuck_decode_request_is_counted_as_waiting_for_kv(stuck: StuckRun):
     assert m.get("pdserve_waiting_requests", role="decode") == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: engine/request.py Request.debug_dict has no deadline and no last transition "
-    "(from -> to); /debug/rooms has both",
-)
 def test_debug_requests_show_deadline_and_last_transition(stuck: StuckRun):
     (req,) = [r for r in stuck.decode_requests if r["request_id"] == stuck.request_id]
     assert any("deadline" in key for key in req), req
     assert any("transition" in key for key in req), req
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: engine/request.py _NEXT[WAITING] lacks WAITING_FOR_KV, so DecodeHandoff.on_finish "
-    "never aborts the room of an aborted decode request (prev is WAITING): the room and its "
-    "pages live on until the room deadline",
-)
 async def test_abort_of_a_decode_request_waiting_for_kv_ends_its_room(cluster: Cluster):
     pre, dec = cluster.prefill, cluster.decode
     rid, room = f"abort-{uuid.uuid4().hex}", f"abort-{uuid.uuid4().hex}"
@@ -305,7 +295,7 @@ async def test_after_a_burst_with_client_disconnects_every_worker_shows_zero(clu
         results = await _burst(s, rt.url, num_requests=16, num_mid_stream=3, num_early=3)
         kept = [r for r in results if r is not None]
         assert all(r.is_complete or r.is_clean_error for r in kept), kept
-        assert sum(r.is_complete for r in kept) >= 8
+        assert sum(r.is_complete for r in kept) >= len(kept) // 2
         for p, role in ((pre, "prefill"), (dec, "decode")):
             await wait_idle(s, p, role)
             assert not await idle_problems(s, p, role)
@@ -336,15 +326,13 @@ async def _burst(
         await asyncio.wait_for(first.wait(), 60)
         task.cancel()
 
-    async def listed(rid: str) -> bool:
-        return any(
-            r["request_id"] == rid for r in (await get_json(s, f"{url}/debug/requests"))["data"]
-        )
+    async def in_flight(rid: str, task: asyncio.Task[Any]) -> bool:
+        data = (await get_json(s, f"{url}/debug/requests"))["data"]
+        return task.done() or any(r["request_id"] == rid for r in data)
 
     for rid, _, task in started[num_mid_stream : num_mid_stream + num_early]:
-        if not task.done():
-            await wait_for(lambda rid=rid: listed(rid), 30, f"{rid} at the router")
-            task.cancel()
+        await wait_for(lambda r=rid, t=task: in_flight(r, t), 30, f"{rid} at the router")
+        task.cancel()  # a no-op if it already ended
     done = await asyncio.wait_for(
         asyncio.gather(*(t for _, _, t in started), return_exceptions=True), 120
     )

@@ -25,6 +25,7 @@ import pytest
 from tests.e2e.conftest import (
     Proc,
     StreamResult,
+    assign_distinct_ports,
     fetch,
     free_port,
     get_json,
@@ -115,6 +116,7 @@ def cluster(
     prefills = [worker(tmp, f"prefill-{i}", "prefill", demo_model_dir) for i in range(2)]
     decodes = [worker(tmp, f"decode-{i}", "decode", demo_model_dir) for i in range(2)]
     rt = router(tmp, prefills, decodes, "--connect-timeout", "1", "--request-timeout", "60")
+    assign_distinct_ports([*prefills, *decodes, rt])
     c = Restartable(prefills, decodes, rt)
     try:
         _start_in_order(c)
@@ -133,9 +135,12 @@ async def _ensure_whole(s: aiohttp.ClientSession, c: Restartable) -> None:
 
     async def all_healthy() -> bool:
         data = (await get_json(s, f"{c.router.url}/workers"))["data"]
-        return all(w["state"] == "healthy" and w["breaker"] == "closed" for w in data)
+        # A half-open breaker closes with the next request it is given.
+        usable = [w["state"] == "healthy" and w["breaker"] != "open" for w in data]
+        assert all(usable), data
+        return True
 
-    await wait_for(all_healthy, 30, "router sees every worker healthy")
+    await wait_for(all_healthy, 60, "router sees every worker healthy")
 
 
 async def _restart(
@@ -205,6 +210,31 @@ async def _serves_through(s: aiohttp.ClientSession, c: Restartable, proc: Proc, 
     raise AssertionError(f"no request reached {proc.name}")
 
 
+async def _serves_without(
+    s: aiohttp.ClientSession, c: Restartable, dead: Proc, alive: Proc, role: str
+) -> None:
+    """The router takes ``dead`` out; requests succeed, all through ``alive``."""
+
+    async def dropped() -> bool:
+        data = (await get_json(s, f"{c.router.url}/workers"))["data"]
+        return any(w["url"] == dead.url and w["state"] == "unhealthy" for w in data)
+
+    await wait_for(dropped, 10, f"router marks {dead.name} unhealthy")
+    served = await _num_served(s, alive, role)
+    assert await _short_requests(s, c.router.url, 6) == [200] * 6
+    assert await _num_served(s, alive, role) >= served + 6
+
+
+async def _comes_back(
+    s: aiohttp.ClientSession, c: Restartable, proc: Proc, role: str, old: str
+) -> None:
+    """Restart ``proc`` (no action anywhere else): it serves again, and all ends idle."""
+    await _restart(s, c, proc, role, old)
+    await _serves_through(s, c, proc, role)
+    for p, r in c.workers:
+        await wait_idle(s, p, r)
+
+
 def _streams(s: aiohttp.ClientSession, url: str, n: int) -> list[asyncio.Task[StreamResult]]:
     return [asyncio.create_task(stream_completion(s, url, STREAM, timeout_s=90)) for _ in range(n)]
 
@@ -251,27 +281,17 @@ async def test_killed_decode_fails_its_prefill_rooms_and_the_cluster_serves_on(
         assert time.monotonic() - killed_at <= LOST_AFTER_S + SLACK_S
         m = await scrape(s, pre0.url)
         assert m.total("pdserve_transport_peers_lost_total") > lost_before
-        assert m.total("pdserve_rooms_ended_total", outcome="Failed:peer_lost") >= 1
+        # Missed heartbeats, or a write to it that failed first: either way the peer is lost.
+        assert sum(m.total("pdserve_rooms_ended_total", outcome=f"Failed:{why}")
+                   for why in ("peer_lost", "transfer_error")) >= 1  # fmt: skip
         results = await asyncio.wait_for(asyncio.gather(*streams), 120)
         _assert_all_ended(results)
         assert any(r.is_clean_error for r in results)  # those that were on decode-0
         assert (await asyncio.wait_for(stuck, 30))[0] is None  # its server died under it
         for p, role in [*((p, "prefill") for p in cluster.prefills), (dec1, "decode")]:
             await wait_idle(s, p, role)
-
-        async def router_dropped() -> bool:
-            data = (await get_json(s, f"{rt.url}/workers"))["data"]
-            return any(w["url"] == dec0.url and w["state"] == "unhealthy" for w in data)
-
-        await wait_for(router_dropped, 10, "router marks decode-0 unhealthy")
-        served = await _num_served(s, dec1, "decode")
-        assert await _short_requests(s, rt.url, 6) == [200] * 6
-        assert await _num_served(s, dec1, "decode") == served + 6  # all through decode-1
-
-        await _restart(s, cluster, dec0, "decode", old)  # nothing done on prefills or router
-        await _serves_through(s, cluster, dec0, "decode")
-        for p, role in cluster.workers:
-            await wait_idle(s, p, role)
+        await _serves_without(s, cluster, dec0, dec1, "decode")
+        await _comes_back(s, cluster, dec0, "decode", old)
 
 
 async def test_killed_prefill_fails_its_decode_rooms_and_the_cluster_serves_on(
@@ -302,20 +322,8 @@ async def test_killed_prefill_fails_its_decode_rooms_and_the_cluster_serves_on(
         # The dead sender's pages stay fenced for the quarantine (5 s), then come back.
         for p, role in [(pre1, "prefill"), *((d, "decode") for d in cluster.decodes)]:
             await wait_idle(s, p, role, timeout_s=30)
-
-        async def router_dropped() -> bool:
-            data = (await get_json(s, f"{rt.url}/workers"))["data"]
-            return any(w["url"] == pre0.url and w["state"] == "unhealthy" for w in data)
-
-        await wait_for(router_dropped, 10, "router marks prefill-0 unhealthy")
-        served = await _num_served(s, pre1, "prefill")
-        assert await _short_requests(s, rt.url, 6) == [200] * 6
-        assert await _num_served(s, pre1, "prefill") == served + 6
-
-        await _restart(s, cluster, pre0, "prefill", old)  # decodes re-register by themselves
-        await _serves_through(s, cluster, pre0, "prefill")
-        for p, role in cluster.workers:
-            await wait_idle(s, p, role)
+        await _serves_without(s, cluster, pre0, pre1, "prefill")
+        await _comes_back(s, cluster, pre0, "prefill", old)  # decodes re-register by themselves
 
 
 async def test_killed_router_leaves_workers_idle_and_a_new_router_serves_at_once(

@@ -82,3 +82,13 @@ def test_max_num_seqs_bounds_running_plus_prefill():
         s.add(make_req(str(i), 1))
     assert len(s.schedule().requests) == 2
     assert len(s.waiting) == 1
+
+
+def test_decode_request_lifecycle_passes_through_waiting_for_kv():
+    req = make_req("d", 3)
+    assert req.move(RequestState.WAITING_FOR_KV, "admitted")
+    assert req.last_transition == ("waiting", "waiting_for_kv", "admitted")
+    assert req.move(RequestState.RUNNING, "kv received")
+    assert req.move(RequestState.FINISHED, "done")
+    assert not req.move(RequestState.RUNNING, "late event")  # FINISHED is absorbing
+    assert req.state is RequestState.FINISHED
