@@ -119,6 +119,8 @@ def supervise(children: list[Child]) -> int:
 
 
 def stop_cluster(children: list[Child], grace_s: float = 10.0) -> None:
+    # A second Ctrl-C must not interrupt the shutdown and orphan the children.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for child in reversed(children):
         if child.proc.poll() is None:
             os.killpg(child.proc.pid, signal.SIGTERM)
