@@ -1,0 +1,67 @@
+"""Python embedding: a Server without HTTP, its in-process generate API and its metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.model.demo import write_demo_model
+from pdserve.model_runner import RunnerConfig
+from pdserve.server import Server, ServerConfig
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("demo"))
+
+
+def config(demo_dir: Path, **kw: object) -> ServerConfig:
+    runner = RunnerConfig(model_dir=str(demo_dir), kv_cache_bytes=8 << 20)
+    return ServerConfig(runner=runner, engine=EngineConfig(role="colocated"), **kw)
+
+
+async def test_embedded_server_generates_text_chat_and_ids_without_http(demo_dir: Path):
+    async with Server(config(demo_dir, serve_http=False)) as server:
+        assert server.port is None
+        for prompt in ("Hello", [{"role": "user", "content": "Hi"}], [1, 2, 3]):
+            outs = [o async for o in server.generate(prompt, max_tokens=5, temperature=0,
+                                                     ignore_eos=True)]  # fmt: skip
+            assert outs[-1].finish_reason == "length"
+            assert sum(len(o.token_ids) for o in outs) == 5
+        text = "".join(
+            [o.text async for o in server.generate("Hello", max_tokens=5, temperature=0)]
+        )
+        again = "".join(
+            [o.text async for o in server.generate("Hello", max_tokens=5, temperature=0)]
+        )
+        assert text == again
+
+
+async def test_embedded_server_metrics_are_zero_when_idle(demo_dir: Path):
+    async with Server(config(demo_dir, serve_http=False)) as server:
+        async for _ in server.generate("Hello", max_tokens=3, ignore_eos=True):
+            pass
+        text = generate_latest(server.registry).decode()
+    for gauge in (
+        "pdserve_waiting_requests",
+        "pdserve_running_requests",
+        "pdserve_prefill_inflight_requests",
+        "pdserve_decode_waiting_for_kv_requests",
+    ):
+        assert f'{gauge}{{role="colocated"}} 0.0' in text  # fmt: skip
+    assert 'pdserve_requests_total{role="colocated",status="length"} 1.0' in text
+    total = next(line for line in text.splitlines() if line.startswith("pdserve_kv_pages_total"))
+    free = next(line for line in text.splitlines() if line.startswith("pdserve_kv_pages_free"))
+    assert total.split()[-1] == free.split()[-1]
+
+
+async def test_embedded_server_serves_http_when_asked(demo_dir: Path):
+    import openai
+
+    async with Server(config(demo_dir)) as server:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        resp = await client.completions.create(model="pdserve-demo", prompt="Hi", max_tokens=3)
+        assert resp.usage.completion_tokens <= 3 and resp.choices[0].finish_reason
