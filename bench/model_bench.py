@@ -1,15 +1,15 @@
 """Model runner speed vs `transformers` on the same weights (issue 3's reference configs).
 
-Run: ``python bench/model_bench.py [--configs tiny,small] [--batches 1,8,32]``. For each config
-it writes a random-weight Llama checkpoint (bf16, vocab 32000, head_dim 64), then measures with
-a 128-token prompt and 128 new tokens:
+Run: ``python bench/model_bench.py [--configs tiny,small] [--batches 1,8,32] [--generate]``.
+For each config it writes a random-weight Llama checkpoint (bf16, vocab 32000, head_dim 64)
+and, with 128-token prompts and 128 new tokens, measures:
 
-* batch 1 decode latency, ms/token (median step): pdserve ``ModelRunner.decode`` vs a bare
-  transformers loop feeding ``past_key_values``, steps interleaved so that both sides see the
-  same machine load; pdserve's step split into model forward (embed..logits) and Python
-  (batch building, sampling, result conversion);
-* batch N throughput, generated tokens/s including prefill: ``pdserve.generate.generate`` vs
-  ``transformers`` ``model.generate`` (greedy, no early stop).
+* decode steps at batch N: pdserve ``ModelRunner.decode`` vs a bare transformers loop
+  feeding ``past_key_values`` (greedy). The two sides' steps are interleaved, so a shared,
+  busy machine slows both alike; medians. pdserve's step is split into model forward
+  (embed..logits) and Python (batch building, sampling, conversion to lists);
+* with ``--generate``: end-to-end throughput including prefill, ``pdserve.generate.generate``
+  vs ``model.generate`` (best of ``--repeats`` interleaved runs).
 """
 
 from __future__ import annotations
@@ -41,18 +41,25 @@ SHAPES: dict[str, dict[str, int]] = {
 
 
 @dataclass
-class Row:
+class DecodeRow:
     config: str
-    metric: str
-    pdserve: float
-    transformers: float
-    unit: str
+    batch: int
+    ours_ms: float  # median step
+    ref_ms: float
+    model_ms: float  # pdserve forward part of its step
 
     @property
     def speedup(self) -> float:
-        if self.unit == "ms/token":
-            return self.transformers / self.pdserve
-        return self.pdserve / self.transformers
+        return self.ref_ms / self.ours_ms
+
+    def line(self) -> str:
+        tok_s = f"{self.batch * 1e3 / self.ours_ms:8.1f} vs {self.batch * 1e3 / self.ref_ms:8.1f}"
+        return (
+            f"{self.config:6} decode b={self.batch:<3} "
+            f"{self.ours_ms:8.2f} {self.ref_ms:8.2f} ms/step"
+            f"  {tok_s} tok/s  {self.speedup:5.2f}x   split: model {self.model_ms:.2f} + "
+            f"python {self.ours_ms - self.model_ms:.2f} ms"
+        )
 
 
 def write_checkpoint(root: Path, name: str) -> Path:
@@ -70,36 +77,44 @@ def write_checkpoint(root: Path, name: str) -> Path:
     return path
 
 
-def _prompt(batch: int) -> list[list[int]]:
+def _prompts(batch: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
     return torch.randint(3, 32000, (batch, PROMPT_LEN), generator=gen).tolist()
 
 
 class _PdserveDecoder:
-    """pdserve at batch 1: one prefilled sequence, stepped one decode at a time."""
+    """pdserve: ``batch`` prefilled sequences, stepped one decode at a time."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, batch: int) -> None:
         self.runner = runner
-        pages = runner.kv_config.pages_for(PROMPT_LEN + NEW_TOKENS + 1)
-        [prompt] = _prompt(1)
+        num_pages = runner.kv_config.pages_for(PROMPT_LEN + NEW_TOKENS + 1)
         greedy = SamplingParams(temperature=0)
-        self.seq = Sequence("b", list(prompt), PROMPT_LEN, greedy, list(range(pages)))
-        self.seq.token_ids.append(runner.prefill([self.seq]).token_ids[0])
+        self.seqs = [
+            Sequence(
+                f"b{i}", p, PROMPT_LEN, greedy, list(range(i * num_pages, (i + 1) * num_pages))
+            )
+            for i, p in enumerate(_prompts(batch))
+        ]
+        self._apply(runner.prefill(self.seqs).token_ids)
         self.model_ms: list[float] = []
 
+    def _apply(self, tokens: list[int]) -> None:
+        for seq, token in zip(self.seqs, tokens, strict=True):
+            seq.num_cached_tokens = seq.num_tokens
+            seq.token_ids.append(token)
+
     def step(self) -> None:
-        self.seq.num_cached_tokens = self.seq.num_tokens - 1
-        self.seq.token_ids.append(self.runner.decode([self.seq]).token_ids[0])
+        self._apply(self.runner.decode(self.seqs).token_ids)
         self.model_ms.append(self.runner.stats.last_step["forward_s"] * 1e3)
 
 
 class _TransformersDecoder:
-    """The reference at batch 1: a bare greedy loop feeding ``past_key_values``."""
+    """The reference: a bare greedy loop feeding ``past_key_values`` (no padding needed)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, batch: int) -> None:
         self.model = model
         with torch.inference_mode():
-            out = model(torch.tensor(_prompt(1)), use_cache=True)
+            out = model(torch.tensor(_prompts(batch)), use_cache=True)
         self.past, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
     def step(self) -> None:
@@ -108,91 +123,89 @@ class _TransformersDecoder:
         self.past, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def decode_latency(runner: ModelRunner, model: Any) -> tuple[float, float, dict[str, float]]:
-    """Median ms/token of both sides at batch 1, steps interleaved so both see the same load."""
-    ours, ref = _PdserveDecoder(runner), _TransformersDecoder(model)
+def decode_steps(runner: ModelRunner, model: Any, name: str, batch: int) -> DecodeRow:
+    """Median step time of both sides at ``batch``, their steps interleaved."""
+    ours, ref = _PdserveDecoder(runner, batch), _TransformersDecoder(model, batch)
     ours_ms, ref_ms = [], []
     for _ in range(NEW_TOKENS):
         for side, times in ((ours, ours_ms), (ref, ref_ms)):
             start = time.perf_counter()
             side.step()
             times.append((time.perf_counter() - start) * 1e3)
-    step, model_ms = statistics.median(ours_ms), statistics.median(ours.model_ms)
-    split = {"step_ms": step, "model_ms": model_ms, "python_ms": step - model_ms}
-    return step, statistics.median(ref_ms), split
+    return DecodeRow(
+        name, batch, statistics.median(ours_ms), statistics.median(ref_ms),
+        statistics.median(ours.model_ms),
+    )  # fmt: skip
 
 
-def pdserve_throughput(runner: ModelRunner, batch: int) -> float:
+def pdserve_generate(runner: ModelRunner, batch: int) -> float:
+    """Generated tokens/s of the offline generate loop, prefill included."""
     sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    results = generate(runner, _prompt(batch), sampling)
-    elapsed = time.perf_counter() - start
-    return sum(len(r.token_ids) for r in results) / elapsed
+    results = generate(runner, _prompts(batch), sampling)
+    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
 
 
-def transformers_throughput(model: Any, batch: int) -> float:
-    ids = torch.tensor(_prompt(batch))
+def transformers_generate(model: Any, batch: int) -> float:
+    ids = torch.tensor(_prompts(batch))
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False,
             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0,
         )  # fmt: skip
-    elapsed = time.perf_counter() - start
-    return (out.shape[1] - PROMPT_LEN) * batch / elapsed
+    return (out.shape[1] - PROMPT_LEN) * batch / (time.perf_counter() - start)
 
 
-def bench_config(
-    root: Path, name: str, batches: list[int], repeats: int
-) -> tuple[list[Row], dict[str, float]]:
+def bench_config(root: Path, name: str, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     path = write_checkpoint(root, name)
     runner = ModelRunner(
-        RunnerConfig(str(path), dtype="bfloat16", kv_cache_bytes=256 << 20, max_num_seqs=64)
+        RunnerConfig(str(path), dtype="bfloat16", kv_cache_bytes=512 << 20, max_num_seqs=64)
     )
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
-    decode_latency(runner, reference)  # warm-up: one-off allocations on both sides
-    ours, ref, split = decode_latency(runner, reference)
-    rows = [Row(name, "decode batch 1", ours, ref, "ms/token")]
-    for batch in (b for b in batches if b > 1):
-        # Interleaved repeats, best of each: the least disturbed run of a shared machine.
-        ours_runs, ref_runs = [], []
-        for _ in range(repeats):
-            ours_runs.append(pdserve_throughput(runner, batch))
-            ref_runs.append(transformers_throughput(reference, batch))
-        rows.append(Row(name, f"generate batch {batch}", max(ours_runs), max(ref_runs), "tok/s"))
-    return rows, split
+    decode_steps(runner, reference, name, 1)  # warm-up: one-off allocations on both sides
+    result: dict[str, Any] = {"config": name, "decode": [], "generate": []}
+    for batch in args.batches:
+        row = decode_steps(runner, reference, name, batch)
+        print(row.line(), flush=True)
+        result["decode"].append(vars(row) | {"speedup": row.speedup})
+    for batch in args.batches if args.generate else []:
+        # Interleaved repeats, best of each: the least disturbed run on a shared machine.
+        ours, ref = [], []
+        for _ in range(args.repeats):
+            ours.append(pdserve_generate(runner, batch))
+            ref.append(transformers_generate(reference, batch))
+        print(f"{name:6} generate b={batch:<3} {max(ours):8.1f} {max(ref):8.1f} tok/s "
+              f"{max(ours) / max(ref):5.2f}x", flush=True)  # fmt: skip
+        result["generate"].append({"batch": batch, "ours_tok_s": max(ours), "ref_tok_s": max(ref)})
+    return result
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(b) for b in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--configs", default="tiny,small")
-    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument(
+        "--batches", default="1,8,32", type=lambda s: [int(b) for b in s.split(",")]
+    )
+    parser.add_argument("--generate", action="store_true", help="also end-to-end generate")
+    parser.add_argument("--repeats", type=int, default=2, help="generate runs per side")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--repeats", type=int, default=1, help="throughput runs per side")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, bf16")  # fmt: skip
-    print(f"{'config':6} {'metric':18} {'pdserve':>10} {'transformers':>13} {'unit':9} speedup")
-    results = []
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, prompt "
+          f"{PROMPT_LEN}, new tokens {NEW_TOKENS}; columns: pdserve, transformers")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.configs.split(","):
-            rows, split = bench_config(Path(tmp), name, batches, args.repeats)
-            for r in rows:
-                print(f"{r.config:6} {r.metric:18} {r.pdserve:10.2f} {r.transformers:13.2f} "
-                      f"{r.unit:9} {r.speedup:.2f}x")  # fmt: skip
-            print(f"{name:6} decode step split  model {split['model_ms']:.2f} ms + "
-                  f"python {split['python_ms']:.2f} ms = {split['step_ms']:.2f} ms")  # fmt: skip
-            results.append(
-                {"rows": [vars(r) | {"speedup": r.speedup} for r in rows], "split": split}
-            )
+        results = [bench_config(Path(tmp), n, args) for n in args.configs.split(",")]
     if args.json:
-        print(json.dumps(results))
+        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 

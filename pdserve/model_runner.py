@@ -15,21 +15,21 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.protocol import TokenLogprob
-from pdserve.kernels.attention import PrefillSeqMeta, decode_key_mask
+from pdserve.kernels.attention import PrefillSeqMeta, additive_mask, decode_key_mask
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.linear import has_fast_bf16_matmul
 from pdserve.kernels.sampling import SamplerOutput, sample, sampling_tensors_for
 from pdserve.model.config import ModelConfig
-from pdserve.model.llama import ForwardBatch, LlamaModel, layer_caches
+from pdserve.model.llama import ForwardBatch, LlamaModel, PagedKV
 from pdserve.model.loader import load_weights
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-# Measured on 2-core AVX2 EPYC (1024x5632): bf16 GEMV costs ~0.7 ms per row, MKL float32
-# ~3.5 ms flat up to 8 rows; they cross at ~5 rows.
-AUTO_FP32_MIN_ROWS = 5
+# Measured on the 2-core AVX2 EPYC machines, 1024x5632 bf16 weight, 2 threads: bf16 costs
+# ~0.37 ms per row (a GEMV per row), MKL float32 ~2.8 ms at 4-8 rows; they tie at 8 rows.
+AUTO_FP32_MIN_ROWS = 8
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -106,7 +106,7 @@ class ModelRunner:
         )
         # The transport registers this tensor with NIXL: it is never reallocated.
         self.kv_pool = KVPagePool(self.kv_config, device=self.device)
-        self._kv_caches = layer_caches(self.kv_pool)
+        self._paged_kv = PagedKV.of(self.kv_pool)
         self.stats = RunnerStats()
         logger.info(
             "runner ready: %s, %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d",
@@ -148,7 +148,7 @@ class ModelRunner:
         self._check_seqs(seqs, is_decode=False)
         input_ids, batch, last_rows = self._prefill_batch(seqs)
         t1 = time.perf_counter()
-        hidden = self.model.forward(input_ids, batch, self._kv_caches)
+        hidden = self.model.forward(input_ids, batch, self._paged_kv)
         logits = self.model.logits(hidden[last_rows])
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
@@ -164,7 +164,7 @@ class ModelRunner:
         self._check_seqs(seqs, is_decode=True)
         input_ids, batch = self._decode_batch(seqs)
         t1 = time.perf_counter()
-        logits = self.model.logits(self.model.forward(input_ids, batch, self._kv_caches))
+        logits = self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
         st = self.stats
@@ -183,14 +183,14 @@ class ModelRunner:
         """Float32 logits ``(B, vocab)`` at each sequence's last token; writes K/V of new tokens."""
         self._check_seqs(seqs, is_decode=False)
         input_ids, batch, last_rows = self._prefill_batch(seqs)
-        hidden = self.model.forward(input_ids, batch, self._kv_caches)
+        hidden = self.model.forward(input_ids, batch, self._paged_kv)
         return self.model.logits(hidden[last_rows])
 
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` after each sequence's last token; writes its K/V."""
         self._check_seqs(seqs, is_decode=True)
         input_ids, batch = self._decode_batch(seqs)
-        return self.model.logits(self.model.forward(input_ids, batch, self._kv_caches))
+        return self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
 
     # ----- batch construction -------------------------------------------------------------
 
@@ -260,6 +260,7 @@ class ModelRunner:
             page_idx=page_idx,
             page_offset=positions % page_size,
             block_table=block_table,
+            context_lens=context_lens,
             key_mask=self._key_mask(seqs, context_lens, max_pages * page_size),
         )
         return self._tensor([s.token_ids[-1] for s in seqs]), batch
@@ -271,7 +272,7 @@ class ModelRunner:
         is_windowed = window is not None and max_len > window
         if not is_windowed and all(s.num_tokens == max_len for s in seqs):
             return None  # every key of every sequence is visible: no mask at all
-        return decode_key_mask(context_lens, max_len, window)
+        return additive_mask(decode_key_mask(context_lens, max_len, window), self.dtype)
 
     # ----- sampling -----------------------------------------------------------------------
 
@@ -282,10 +283,12 @@ class ModelRunner:
         token_ids = result.token_ids.tolist()
         if not tensors.need_logprobs:
             return RunnerOutput(token_ids=token_ids)
-        return RunnerOutput(token_ids=token_ids, logprobs=_token_logprobs(result, seqs))
+        return RunnerOutput(token_ids, _token_logprobs(result, token_ids, seqs))
 
 
-def _token_logprobs(result: SamplerOutput, seqs: list[Sequence]) -> list[TokenLogprob | None]:
+def _token_logprobs(
+    result: SamplerOutput, token_ids: list[int], seqs: list[Sequence]
+) -> list[TokenLogprob | None]:
     assert result.logprobs is not None
     chosen = result.logprobs.tolist()
     top_ids = result.top_ids.tolist() if result.top_ids is not None else None
@@ -297,5 +300,5 @@ def _token_logprobs(result: SamplerOutput, seqs: list[Sequence]) -> list[TokenLo
             continue
         n = s.sampling.top_logprobs
         top = tuple(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if top_ids and top_lps else ()
-        out.append(TokenLogprob(token_id=result.token_ids[i].item(), logprob=chosen[i], top=top))
+        out.append(TokenLogprob(token_id=token_ids[i], logprob=chosen[i], top=top))
     return out

@@ -105,33 +105,34 @@ def prefill_attention(
 
 def decode_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     key_mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence, ``q`` ``(B, H, D)`` -> ``(B, H, D)``.
 
-    ``block_table`` ``(B, max_pages)`` lists each sequence's pages (padding entries may point at
-    any valid page); ``key_mask`` ``(B, max_pages * page_size)`` is True for keys the query may
-    see (built once per step by :func:`decode_key_mask` and shared by all layers), or None when
-    every key is visible.
+    ``keys``/``values`` ``(B, L, Hkv, D)`` hold each sequence's context (its pages, copied by
+    :class:`~pdserve.kernels.decode_context.DecodeContext` or :func:`gather_pages`);
+    ``key_mask`` ``(B, L)`` says which keys the query may see: bool (True: visible), or
+    additive (0 / -inf) in the query dtype, which saves SDPA a conversion per layer (see
+    :func:`additive_mask`); None when every key is visible.
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    # One contiguous copy per page (index_select on the page dim), then (B, Hkv, L, D) views.
-    pages = block_table.flatten()
-    keys = k_cache.index_select(0, pages).view(num_seqs, -1, num_kv_heads, head_dim)
-    values = v_cache.index_select(0, pages).view(num_seqs, -1, num_kv_heads, head_dim)
+    num_kv_heads = keys.shape[2]
     # The `group` query heads of one KV head act as `group` query rows against it.
-    queries = q.view(num_seqs, num_kv_heads, group, head_dim)
+    queries = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     mask = key_mask[:, None, None, :] if key_mask is not None else None
     out = F.scaled_dot_product_attention(
         queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
     )
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """``(B, max_pages * page_size, Hkv, D)`` copy of the pages in ``block_table``."""
+    pages = cache.index_select(0, block_table.flatten())
+    return pages.view(block_table.shape[0], -1, *cache.shape[2:])
 
 
 def decode_key_mask(
@@ -143,3 +144,10 @@ def decode_key_mask(
     if sliding_window is not None:
         mask &= k_pos >= (context_lens - sliding_window).unsqueeze(1)
     return mask
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as 0 (visible) / -inf (hidden) in ``dtype``."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )

@@ -24,6 +24,7 @@ _MIX_A = 0x7FEB352D
 _MIX_B = 0x846CA68B
 _GOLDEN = 0x9E3779B9
 _SEED_MUL = 0x85EBCA6B
+NUCLEUS_FIRST_GUESS = 64
 
 
 @dataclass
@@ -67,12 +68,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``(B, V)`` float32 uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
+def uniform_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor | int
+) -> torch.Tensor:
+    """Float32 uniforms in (0, 1), a pure function of (seed, position, vocab index).
+
+    ``vocab_ids`` is a vocabulary size (noise for every id, ``(B, V)``) or a ``(B, N)`` tensor
+    of ids (noise for those only; equal to the matching columns of the full noise).
+    """
     seed_part = ((seeds & _MASK32) * _SEED_MUL) & _MASK32
-    row = _mix32(seed_part ^ _mix32(positions & _MASK32))
-    col = (torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) * _GOLDEN) & _MASK32
-    bits = _mix32(row.unsqueeze(1) ^ col.unsqueeze(0))
+    row = _mix32(seed_part ^ _mix32(positions & _MASK32)).unsqueeze(1)
+    if isinstance(vocab_ids, int):
+        vocab_ids = torch.arange(vocab_ids, dtype=torch.int64, device=seeds.device).unsqueeze(0)
+    bits = _mix32(row ^ ((vocab_ids * _GOLDEN) & _MASK32))
     # 24 random bits centred in their bucket: never exactly 0 or 1.
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
@@ -99,38 +107,76 @@ def _token_counts(tokens: torch.Tensor, num_seqs: int, vocab: int) -> torch.Tens
     return counts[:, :vocab]
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Mask (to -inf) entries outside each row's top-k and top-p nucleus."""
-    vocab = logits.shape[1]
-    use_top_p = bool((t.top_p < 1.0).any())
-    use_top_k = bool((t.top_k > 0).any())
-    if not (use_top_p or use_top_k):
-        return logits
-    k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
-    if not use_top_p:
-        # Only top-k: the k-th largest value of each row is the threshold (ties kept).
-        top = logits.topk(int(k.max()), dim=1).values
-        kth = top.gather(1, (k - 1).unsqueeze(1))
-        return logits.masked_fill(logits < kth, float("-inf"))
-    sorted_logits, order = logits.sort(dim=1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    drop = ranks >= k.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=1)
-    mass_before = probs.cumsum(dim=1) - probs
+def _kth_largest(logits: torch.Tensor, k: torch.Tensor, is_active: torch.Tensor) -> torch.Tensor:
+    """Each row's k-th largest logit ``(B, 1)``; -inf for rows without top-k."""
+    k_max = int(k[is_active].max())
+    top = logits.topk(k_max, dim=1).values
+    kth = top.gather(1, (k.clamp(max=k_max) - 1).unsqueeze(1))
+    return kth.masked_fill(~is_active.unsqueeze(1), float("-inf"))
+
+
+def _nucleus_floor(
+    sorted_probs: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest kept probability of each row's nucleus, and whether the given (descending)
+    prefix of the distribution was long enough to contain the nucleus."""
+    mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
     # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-    drop = mass_before >= t.top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+    num_keep = (mass_before < top_p.unsqueeze(1)).sum(dim=1, keepdim=True).clamp(min=1)
+    is_covered = sorted_probs.sum(dim=1) >= top_p
+    return sorted_probs.gather(1, num_keep - 1), is_covered
+
+
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per-row probability threshold ``(B, 1)`` of the top-p nucleus (0 for rows without).
+
+    A full sort of the vocabulary is slow on CPU, and a trained model's nucleus is almost
+    always short: look at the top ``NUCLEUS_FIRST_GUESS`` first, sort only rows it misses.
+    """
+    vocab = probs.shape[1]
+    guess = probs.topk(min(vocab, NUCLEUS_FIRST_GUESS), dim=1).values
+    floor, is_covered = _nucleus_floor(guess, top_p)
+    is_active = top_p < 1.0
+    missed = (is_active & ~is_covered).nonzero().squeeze(1)
+    if missed.numel() and guess.shape[1] < vocab:
+        full = probs.index_select(0, missed).sort(dim=1, descending=True).values
+        floor[missed] = _nucleus_floor(full, top_p[missed])[0]
+    return floor.masked_fill(~is_active.unsqueeze(1), 0.0)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask (to -inf) entries outside each row's top-k, then outside its top-p nucleus.
+
+    Entries tied with the last kept one are kept too.
+    """
+    vocab = logits.shape[1]
+    k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
+    has_top_k = k < vocab
+    if bool(has_top_k.any()):
+        logits = logits.masked_fill(logits < _kth_largest(logits, k, has_top_k), float("-inf"))
+    if bool((t.top_p < 1.0).any()):
+        probs = logits.softmax(dim=1)
+        logits = logits.masked_fill(probs < _top_p_floor(probs, t.top_p), float("-inf"))
+    return logits
+
+
+def _race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    # argmax p_v / E_v == argmax (logit_v - log E_v), E_v = -log u_v.
+    return (logits - torch.log(-torch.log(noise))).argmax(dim=1)
 
 
 def _random_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0).unsqueeze(1)
     filtered = _filter_top_k_top_p(logits / temperature, t)
-    noise = uniform_noise(t.seeds, t.positions, logits.shape[1])
-    # argmax p_v / E_v == argmax (logit_v - log E_v), E_v = -log u_v.
-    race = filtered - torch.log(-torch.log(noise))
-    return race.argmax(dim=1)
+    vocab = logits.shape[1]
+    if vocab > NUCLEUS_FIRST_GUESS:
+        num_candidates = int(filtered.isfinite().sum(dim=1).max())
+        if num_candidates <= NUCLEUS_FIRST_GUESS:
+            # Truncation left few candidates: hash noise for those ids only (same values).
+            values, ids = filtered.topk(num_candidates, dim=1)
+            choice = _race(values, uniform_noise(t.seeds, t.positions, ids))
+            return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    return _race(filtered, uniform_noise(t.seeds, t.positions, vocab))
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:

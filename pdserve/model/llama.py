@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import PrefillSeqMeta, decode_attention, prefill_attention, write_kv
+from pdserve.kernels.decode_context import DecodeContext
 from pdserve.kernels.kv_cache import KVPagePool
 from pdserve.kernels.linear import Linear
 from pdserve.kernels.rmsnorm import rms_norm
@@ -25,9 +26,20 @@ from pdserve.model.weights import LayerWeights, ModelWeights
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache) page views
 
 
-def layer_caches(kv_pool: KVPagePool) -> list[LayerCache]:
-    """Per-layer ``(num_pages, page_size, Hkv, D)`` K and V views of the pool."""
-    return [kv_pool.layer_kv(i) for i in range(kv_pool.config.num_layers)]
+@dataclass
+class PagedKV:
+    """The page pool tensor and its per-layer ``(num_pages, page_size, Hkv, D)`` K/V views.
+
+    Built once (:meth:`of`): the pool is never reallocated, so the views stay valid.
+    """
+
+    pool: torch.Tensor  # (num_pages, num_layers, 2, page_size, Hkv, D)
+    layers: list[LayerCache]
+
+    @classmethod
+    def of(cls, kv_pool: KVPagePool) -> PagedKV:
+        layers = [kv_pool.layer_kv(i) for i in range(kv_pool.config.num_layers)]
+        return cls(pool=kv_pool.kv, layers=layers)
 
 
 @dataclass
@@ -35,7 +47,7 @@ class ForwardBatch:
     """What one forward needs besides token ids: positions, KV slots, attention layout.
 
     Exactly one of ``prefill_seqs`` (packed variable-length prefill) or ``block_table`` +
-    ``key_mask`` (one token per sequence decode) is set.
+    ``context_lens`` (+ ``key_mask``) (one token per sequence decode) is set.
     """
 
     positions: torch.Tensor  # (T,) int64
@@ -43,7 +55,9 @@ class ForwardBatch:
     page_offset: torch.Tensor  # (T,) int64: the slot inside that page
     prefill_seqs: list[PrefillSeqMeta] | None = None
     block_table: torch.Tensor | None = None  # (B, max_pages) int64
-    key_mask: torch.Tensor | None = None  # (B, max_pages * page_size) bool; None: all visible
+    context_lens: torch.Tensor | None = None  # (B,) int64, including the new token
+    # (B, max_pages * page_size), bool or additive (see decode_attention); None: all visible
+    key_mask: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -97,20 +111,17 @@ class LlamaModel:
         return sum(p.num_extra_bytes for p in linears)
 
     @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[LayerCache]
-    ) -> torch.Tensor:
-        """Hidden states ``(T, hidden)`` before the final norm; writes the tokens' K/V.
-
-        ``kv_caches[i]`` is layer i's ``(k_cache, v_cache)`` view of the page pool
-        (:func:`layer_caches`), built once since the pool is never reallocated.
-        """
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: PagedKV) -> torch.Tensor:
+        """Hidden states ``(T, hidden)`` before the final norm; writes the tokens' K/V."""
         eps = self.config.rms_norm_eps
         h = F.embedding(input_ids, self.weights.embed)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        context = None
+        if batch.block_table is not None and batch.context_lens is not None:
+            context = DecodeContext(kv.pool, batch.block_table, batch.context_lens)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
-            h = h + self._attention(layer, x, cos, sin, batch, kv_caches[i])
+            h = h + self._attention(i, layer, x, cos, sin, batch, kv.layers[i], context)
             x = rms_norm(h, layer.post_norm, eps)
             h = h + self._mlp(layer, x)
         return h
@@ -139,20 +150,21 @@ class LlamaModel:
 
     def _attention(
         self,
+        index: int,
         layer: _Layer,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: LayerCache,
+        context: DecodeContext | None,
     ) -> torch.Tensor:
         q, k, v = self._qkv(layer, x, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, batch.page_idx, batch.page_offset, k, v)
-        if batch.block_table is not None:
-            out = decode_attention(
-                q, k_cache, v_cache, batch.block_table, batch.key_mask, self.scale
-            )
+        if context is not None:
+            keys, values = context.layer(index, k, v)
+            out = decode_attention(q, keys, values, batch.key_mask, self.scale)
         else:
             assert batch.prefill_seqs is not None
             out = prefill_attention(

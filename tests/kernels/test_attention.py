@@ -6,8 +6,10 @@ import torch
 
 from pdserve.kernels.attention import (
     PrefillSeqMeta,
+    additive_mask,
     decode_attention,
     decode_key_mask,
+    gather_pages,
     prefill_attention,
     write_kv,
 )
@@ -93,7 +95,8 @@ def test_batched_decode_over_ragged_page_tables_matches_dense() -> None:
     q = torch.randn(4, HEADS, DIM)
     block_table = torch.tensor([t + [0] * (3 - len(t)) for t in tables])
     mask = decode_key_mask(torch.tensor(lens), 3 * PAGE)
-    out = decode_attention(q, kc, vc, block_table, mask, DIM**-0.5)
+    keys, values = gather_pages(kc, block_table), gather_pages(vc, block_table)
+    out = decode_attention(q, keys, values, mask, DIM**-0.5)
     for i, n in enumerate(lens):
         ref = _reference(q[i : i + 1], keys[i], values[i], torch.tensor([n - 1]))
         torch.testing.assert_close(out[i : i + 1], ref)
@@ -102,3 +105,18 @@ def test_batched_decode_over_ragged_page_tables_matches_dense() -> None:
 def test_decode_key_mask_with_sliding_window() -> None:
     mask = decode_key_mask(torch.tensor([2, 6]), 8, sliding_window=3)
     assert mask.int().tolist() == [[1, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0, 0]]
+
+
+def test_additive_mask_gives_the_same_decode_as_the_boolean_mask() -> None:
+    torch.manual_seed(3)
+    kc, vc = _caches()
+    kc.normal_()
+    vc.normal_()
+    q = torch.randn(2, HEADS, DIM)
+    block_table = torch.tensor([[1, 2], [3, 4]])
+    mask = decode_key_mask(torch.tensor([5, 8]), 2 * PAGE)
+    keys, values = gather_pages(kc, block_table), gather_pages(vc, block_table)
+    expected = decode_attention(q, keys, values, mask, DIM**-0.5)
+    got = decode_attention(q, keys, values, additive_mask(mask, q.dtype), DIM**-0.5)
+    torch.testing.assert_close(got, expected)
+    assert additive_mask(mask, torch.float32)[0].tolist()[4:] == [0.0] + [float("-inf")] * 3

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.kernels.sampling import (
     SamplingTensors,
+    _filter_top_k_top_p,
     apply_penalties,
     sample,
     sampling_tensors_for,
@@ -127,3 +128,54 @@ def test_unseeded_requests_draw_fresh_seeds() -> None:
     t = sampling_tensors_for(seqs, torch.device("cpu"))
     assert len(set(t.seeds.tolist())) > 1
     assert t.prompt_tokens is None  # no penalties requested: no history tensors
+
+
+def _sorted_nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
+    """The nucleus by the textbook full-sort definition."""
+    probs = logits.softmax(-1)
+    order = probs.argsort(descending=True)
+    mass_before = probs[order].cumsum(0) - probs[order]
+    return set(order[mass_before < top_p].tolist())
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_mask_equals_full_sort_nucleus_short_and_long(top_p: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.randn(3, 5000, generator=gen) * 6  # nucleus inside the first guess
+    flat = torch.randn(3, 5000, generator=gen) * 0.1  # nucleus of thousands of tokens
+    logits = torch.cat([peaked, flat])
+    t = _tensors(6, top_p=torch.full((6,), top_p))
+    kept = _filter_top_k_top_p(logits, t).isfinite()
+    for row in range(6):
+        assert set(kept[row].nonzero().squeeze(1).tolist()) == _sorted_nucleus(logits[row], top_p)
+
+
+def test_top_k_applies_before_top_p_and_rows_without_filters_are_untouched() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
+    t = _tensors(2, top_k=torch.tensor([2, 0]), top_p=torch.tensor([0.5, 1.0]))
+    out = _filter_top_k_top_p(logits, t)
+    # Row 0: top-2 renormalised is (4/7, 3/7): 4/7 >= 0.5 already, so only token 0 is left.
+    assert out[0].isfinite().tolist() == [True, False, False, False]
+    assert torch.equal(out[1], logits[1])
+
+
+def test_noise_for_given_ids_equals_the_matching_columns() -> None:
+    seeds, positions = torch.tensor([3, 4]), torch.tensor([10, 11])
+    ids = torch.tensor([[5, 0, 99], [7, 7, 1]])
+    full = uniform_noise(seeds, positions, 100)
+    assert torch.equal(uniform_noise(seeds, positions, ids), full.gather(1, ids))
+
+
+def test_truncated_sampling_equals_the_full_vocabulary_race() -> None:
+    # top-k = 3 leaves few candidates, so noise is hashed for those ids only; the choice must
+    # equal the race over the whole vocabulary with the full noise.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(200, 500, generator=gen)
+    t = _tensors(200, top_k=torch.full((200,), 3), seeds=torch.arange(200))
+    picked = sample(logits, t).token_ids
+    top3 = logits.topk(3, dim=1).indices
+    masked = torch.full_like(logits, float("-inf")).scatter(1, top3, logits.gather(1, top3))
+    noise = uniform_noise(t.seeds, t.positions, 500)
+    expected = (masked - torch.log(-torch.log(noise))).argmax(dim=1)
+    assert torch.equal(picked, expected)
+    assert len(set(picked.tolist())) > 3  # rows differ, but each picks within its top 3

@@ -1,0 +1,65 @@
+"""The K/V a decode step reads, copied out of the page pool a few layers at a time.
+
+Gathering each layer's pages separately costs two small copies per layer, each big enough to
+become a parallel region; on a busy 2-core machine every parallel region can wait a scheduler
+time slice for its second thread. One gather for many layers replaces them, bounded in bytes.
+
+The pool is page-major, so viewed as rows of ``page_size * Hkv * D`` elements, row
+``page * 2L + 2 * layer + {0: K, 1: V}`` is one page's K or V block of one layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_MAX_GATHER_BYTES = 64 * 1024 * 1024
+
+
+class DecodeContext:
+    """Per-step copies ``(B, max_pages * page_size, Hkv, D)`` of each layer's keys and values.
+
+    The step's new tokens are not in the pool when the copy is made; :meth:`layer` writes them
+    into the copy (the caller writes them into the pool).
+    """
+
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES,
+    ) -> None:
+        num_pages, self.num_layers, _, page_size, num_kv_heads, head_dim = pool.shape
+        self._rows = pool.view(num_pages * self.num_layers * 2, -1)
+        self._pages = block_table.flatten()
+        self._shape = (block_table.shape[0], block_table.shape[1] * page_size)
+        self._head_shape = (num_kv_heads, head_dim)
+        # Slot of each sequence's newest token in its flattened context copy.
+        self._new_slots = torch.arange(self._shape[0], device=pool.device) * self._shape[1]
+        self._new_slots += context_lens - 1
+        bytes_per_layer = 2 * self._pages.numel() * self._rows.shape[1] * pool.element_size()
+        num_layers = max(1, max_gather_bytes // bytes_per_layer)
+        self.num_layers_per_gather = min(self.num_layers, num_layers)
+        self._start = self._stop = 0  # layers [start, stop) are in the current chunk
+        self._chunk = pool.new_empty(0)
+
+    def _gather(self, start: int) -> None:
+        stop = min(start + self.num_layers_per_gather, self.num_layers)
+        layer_kv = torch.arange(2 * start, 2 * stop, device=self._pages.device)
+        rows = (self._pages.unsqueeze(0) * (2 * self.num_layers) + layer_kv.unsqueeze(1)).flatten()
+        # (layers, K/V, B, context, Hkv, D), contiguous: each layer's K and V are plain views.
+        self._chunk = self._rows.index_select(0, rows).view(
+            stop - start, 2, *self._shape, *self._head_shape
+        )
+        self._start, self._stop = start, stop
+
+    def layer(
+        self, index: int, new_k: torch.Tensor, new_v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer ``index``, including this step's ``new_k``/``new_v``."""
+        if not self._start <= index < self._stop:
+            self._gather(index)
+        keys, values = self._chunk[index - self._start].unbind(0)
+        keys.view(-1, *self._head_shape)[self._new_slots] = new_k
+        values.view(-1, *self._head_shape)[self._new_slots] = new_v
+        return keys, values
