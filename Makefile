@@ -33,3 +33,5 @@ test: lint
 bench: install
 	$(BIN)/python bench/fsm_bench.py
 	$(BIN)/python bench/transfer.py
+	$(BIN)/python bench/model_bench.py
+	$(BIN)/python bench/pd_compare.py
