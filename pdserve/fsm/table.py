@@ -157,6 +157,13 @@ class RoomTable:
         """Fail a live room (aborted, peer_lost, transfer_error: ..., ...). False if not live."""
         return self.fire(room_id, FAIL, reason)
 
+    def abort(self, room_id: str, reason: str = "aborted") -> bool:
+        """Fail a live room as aborted (reason kept under an ``aborted`` prefix, so metrics group
+        every abort). False, and nothing counted, when the room is not live."""
+        if room_id not in self._rooms:
+            return False
+        return self.fail(room_id, reason if reason.startswith("aborted") else f"aborted: {reason}")
+
     def fail_peer(self, peer: str, reason: str) -> list[str]:
         """Fail every live room bound to ``peer``; returns the ids that were failed."""
         ids = [room.room_id for room in self._rooms.values() if room.peer == peer]

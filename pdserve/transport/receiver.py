@@ -353,11 +353,7 @@ class KVReceiver:
 
     def abort(self, room_id: str, reason: str = "aborted") -> bool:
         """Fail a live room and tell the prefill side. False if the room already ended."""
-        if self.table.get(room_id) is None:
-            return False
-        return self.table.fail(
-            room_id, reason if reason.startswith("aborted") else f"aborted: {reason}"
-        )
+        return self.table.abort(room_id, reason)
 
     @property
     def stats(self) -> dict[str, int | float]:
