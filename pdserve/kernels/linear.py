@@ -1,14 +1,16 @@
 """Projections that pick the fastest CPU matmul for the number of rows.
 
-On CPUs without native bf16 matrix instructions (AVX2 only), torch's bf16 matmul is fast as
-a matrix-vector product (it is bound by reading the weights, and bf16 halves that) but several
-times slower than MKL's float32 GEMM once a handful of rows share the weights. A projection may
-therefore keep a float32 copy of its weight and use it from ``fp32_min_rows`` rows on; the
-result is cast back, so callers only ever see the model dtype.
+On CPUs without native bf16 matrix instructions (AVX2 only), torch's bf16 matmul re-reads and
+converts the weights per row. Two paths replace it:
 
-The float32 copy is packed once into oneDNN's blocked layout where oneDNN is available: on AMD
-CPUs, MKL's float32 GEMM takes a generic path, and oneDNN's packed GEMM is measured ~1.7-2x faster
-at 8 rows (1024 x 5632: 2.0 ms vs 3.3-4.1 ms).
+- few rows (decode): :mod:`pdserve.kernels.cpu_gemm`, a kernel that streams each packed bf16
+  weight once per call for all rows and accumulates in float32 (memory bound at one row,
+  ~2x torch's bf16 matmul on "small"-sized models at 1-8 rows);
+- many rows (prefill, from ``fp32_min_rows``): a float32 copy of the weight packed once into
+  oneDNN's blocked layout (on AMD CPUs MKL's float32 GEMM takes a generic path; oneDNN's packed
+  GEMM is ~1.7-2x faster).
+
+Results are cast back, so callers only ever see the model dtype.
 """
 
 from __future__ import annotations
@@ -16,15 +18,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_gemm
+from pdserve.kernels.cpu_gemm import PackedBF16Weight, pack_for_kernel
+
 
 class Linear:
-    """``y = x @ weight.T + bias`` with an optional float32 path for many-row inputs."""
+    """``y = x @ weight.T + bias``, routed by row count (see the module docstring).
+
+    ``use_kernel``: pack the weight for the bf16 CPU kernel where it runs (bf16 on AVX2 CPUs).
+    """
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         fp32_min_rows: int | None = None,
+        use_kernel: bool = True,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -32,6 +41,7 @@ class Linear:
         self.weight_f32: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
         self.is_packed = False
+        self.kernel: PackedBF16Weight | None = pack_for_kernel(weight) if use_kernel else None
         if fp32_min_rows is not None and weight.dtype != torch.float32:
             self.weight_f32 = weight.float()
             self.bias_f32 = bias.float() if bias is not None else None
@@ -40,8 +50,11 @@ class Linear:
                 self.is_packed = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_f32 is not None and x.shape[0] >= self.fp32_min_rows:  # type: ignore[operator]
+        rows = x.shape[0]
+        if self.weight_f32 is not None and rows >= self.fp32_min_rows:  # type: ignore[operator]
             return self._linear_f32(x.float()).to(x.dtype)
+        if self.kernel is not None:
+            return self.kernel(x, self.bias, x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     def _linear_f32(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,9 +66,24 @@ class Linear:
 
     @property
     def num_extra_bytes(self) -> int:
-        """Memory held by the float32 copies (0 without them)."""
+        """Memory held by the packed and float32 copies (0 without them)."""
         tensors = [t for t in (self.weight_f32, self.bias_f32) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        packed = self.kernel.num_bytes if self.kernel is not None else 0
+        return packed + sum(t.numel() * t.element_size() for t in tensors)
+
+
+# Row counts from which float32 (oneDNN) beats the bf16 alternatives, measured on the 2-core
+# AVX2 EPYC, "small" model shapes, 2 threads: torch's bf16 matmul ties with float32 at 8 rows;
+# the packed bf16 kernel is ~2x float32 at 8 rows, ~1.1x at 16 and ties at 24-32.
+FP32_MIN_ROWS_VS_TORCH_BF16 = 8
+FP32_MIN_ROWS_VS_KERNEL = 24
+
+
+def auto_fp32_min_rows(device: torch.device, dtype: torch.dtype) -> int | None:
+    """Where many-row projections should switch to float32 copies; None: never (no copies)."""
+    if dtype != torch.bfloat16 or has_fast_bf16_matmul(device):
+        return None
+    return FP32_MIN_ROWS_VS_KERNEL if cpu_gemm.load() is not None else FP32_MIN_ROWS_VS_TORCH_BF16
 
 
 def has_fast_bf16_matmul(device: torch.device) -> bool:

@@ -1,23 +1,33 @@
-"""Linear: the float32 path for many rows matches the plain path and keeps the dtype."""
+"""Linear: few rows go to the bf16 kernel (or torch), many rows to float32; the dtype is kept."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_gemm
 from pdserve.kernels.linear import Linear
 
 
-def test_rows_below_threshold_use_the_weight_as_is() -> None:
+def test_rows_below_threshold_match_the_float32_product() -> None:
     w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
     x = torch.randn(3, 8, dtype=torch.bfloat16)
-    assert torch.equal(Linear(w, b, fp32_min_rows=4)(x), F.linear(x, w, b))
+    expected = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
+    torch.testing.assert_close(Linear(w, b, fp32_min_rows=4)(x), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_without_the_kernel_few_rows_use_the_weight_as_is() -> None:
+    w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    lin = Linear(w, b, fp32_min_rows=4, use_kernel=False)
+    assert lin.kernel is None
+    assert torch.equal(lin(x), F.linear(x, w, b))
 
 
 def test_many_rows_run_in_float32_and_return_the_input_dtype() -> None:
     w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
     x = torch.randn(5, 8, dtype=torch.bfloat16)
-    lin = Linear(w, b, fp32_min_rows=4)
+    lin = Linear(w, b, fp32_min_rows=4, use_kernel=False)
     out = lin(x)
     expected = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
     assert out.dtype == torch.bfloat16
@@ -25,9 +35,12 @@ def test_many_rows_run_in_float32_and_return_the_input_dtype() -> None:
     assert lin.num_extra_bytes == (6 * 8 + 6) * 4
 
 
-def test_no_copy_without_threshold_or_for_float32_weights() -> None:
-    assert Linear(torch.randn(4, 4, dtype=torch.bfloat16)).num_extra_bytes == 0
+def test_extra_bytes_count_the_packed_and_float32_copies() -> None:
     assert Linear(torch.randn(4, 4), fp32_min_rows=1).num_extra_bytes == 0
+    assert Linear(torch.randn(4, 4, dtype=torch.bfloat16), use_kernel=False).num_extra_bytes == 0
+    lin = Linear(torch.randn(20, 4, dtype=torch.bfloat16))
+    if lin.kernel is not None:  # packed into 2 panels of 16 columns, zero padded
+        assert lin.num_extra_bytes == 32 * 4 * 2
 
 
 def test_packed_float32_path_matches_plain_float32_gemm_for_any_leading_shape() -> None:
@@ -37,3 +50,9 @@ def test_packed_float32_path_matches_plain_float32_gemm_for_any_leading_shape() 
         x = torch.randn(*shape, dtype=torch.bfloat16)
         plain = F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(lin._linear_f32(x.float()), plain, atol=1e-4, rtol=1e-5)
+
+
+def test_kernel_is_used_for_bf16_weights_where_the_cpu_supports_it() -> None:
+    lin = Linear(torch.randn(16, 8, dtype=torch.bfloat16))
+    assert (lin.kernel is not None) == (cpu_gemm.load() is not None)
+    assert Linear(torch.randn(16, 8)).kernel is None  # float32 weights: torch is fine
