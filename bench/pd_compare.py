@@ -44,10 +44,16 @@ VLLM_ANCHOR_TOK_S = {("tiny", 1): "240-310", ("tiny", 8): "980-1220",
 PERF_ARGS = ("--kv-cache-mb", "256", "--heartbeat-interval", "1.0")
 
 
-def checkpoint(name: str, root: Path) -> Path:
+def checkpoint(name: str, root: Path, model_dir: str | None = None) -> Path:
+    if model_dir:  # a checkpoint written earlier (saves the tokenizer training of each run)
+        return Path(model_dir)
     if name == "demo":
         return ensure_demo_model()
     return write_demo_model(root / name, SHAPES[name])
+
+
+def _role_args(threads: int | None) -> tuple[str, ...]:
+    return ("--num-threads", str(threads)) if threads else ()
 
 
 async def serve_load(url: str, model_dir: Path, args: argparse.Namespace, conc: int) -> dict:
@@ -62,7 +68,12 @@ async def serve_load(url: str, model_dir: Path, args: argparse.Namespace, conc: 
 async def bench_pd(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
     spec = ClusterSpec(model_dir=str(model_dir), served_model_name="bench",
                        worker_args=PERF_ARGS, router_args=())  # fmt: skip
-    async with Cluster(spec) as cluster:
+    cluster = Cluster(spec)
+    for proc in cluster.prefills:
+        proc.extra_args = _role_args(args.prefill_threads)
+    for proc in cluster.decodes:
+        proc.extra_args = _role_args(args.decode_threads)
+    async with cluster:
         return {c: await serve_load(cluster.router.url, model_dir, args, c) for c in args.conc}
 
 
@@ -71,7 +82,8 @@ async def bench_colocated(model_dir: Path, args: argparse.Namespace) -> dict[int
     log = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "colocated.log"
     proc = ManagedProc("colocated", "colocated",
                        ["serve", "--role", "colocated", "--model", str(model_dir), "--port",
-                        str(port), "--served-model-name", "bench", *PERF_ARGS],
+                        str(port), "--served-model-name", "bench", *PERF_ARGS,
+                        *_role_args(args.colocated_threads)],
                        f"http://127.0.0.1:{port}", log)  # fmt: skip
     async with aiohttp.ClientSession() as session:
         proc.start()
@@ -126,9 +138,11 @@ def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> l
     print(f"{'deployment':<14}{'conc':>5}{'tok/s':>10}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
           f"{'x colocated':>13}{'x transformers':>16}{'vLLM tok/s':>12}")  # fmt: skip
     for c in conc:
-        base = _metric(results["colocated"][c], "output_throughput")
-        hf = _metric(results["transformers"][c], "output_throughput")
+        base = _metric(results.get("colocated", {}).get(c, {}), "output_throughput")
+        hf = _metric(results.get("transformers", {}).get(c, {}), "output_throughput")
         for dep in ("pd", "colocated", "transformers"):
+            if dep not in results:
+                continue
             s = results[dep][c]
             tps = _metric(s, "output_throughput") or 0.0
             row = {"config": name, "deployment": dep, "concurrency": c, "tok_s": tps,
@@ -149,12 +163,16 @@ async def run_all(args: argparse.Namespace) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-ckpt-") as tmp:
         for name in args.configs:
-            model_dir = checkpoint(name, Path(tmp))
-            results = {
-                "pd": await bench_pd(model_dir, args),
-                "colocated": await bench_colocated(model_dir, args),
-                "transformers": await asyncio.to_thread(bench_transformers, model_dir, args),
-            }
+            model_dir = checkpoint(name, Path(tmp), args.model_dir)
+            results: dict[str, dict[int, dict]] = {}
+            if "pd" in args.deps:
+                results["pd"] = await bench_pd(model_dir, args)
+            if "colocated" in args.deps:
+                results["colocated"] = await bench_colocated(model_dir, args)
+            if "transformers" in args.deps:
+                results["transformers"] = await asyncio.to_thread(
+                    bench_transformers, model_dir, args
+                )
             rows += report(name, results, args.conc)
     return rows
 
@@ -167,14 +185,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--model-dir", default=None, help="reuse this checkpoint (one --config)")
+    p.add_argument("--deployments", default="pd,colocated,transformers")
+    p.add_argument("--prefill-threads", type=int, default=None, help="torch threads, PD prefill")
+    p.add_argument("--decode-threads", type=int, default=None, help="torch threads, PD decode")
+    p.add_argument("--colocated-threads", type=int, default=None)
     args = p.parse_args(argv)
+    args.deps = args.deployments.split(",")
     args.configs = args.config.split(",")
     args.conc = [int(c) for c in args.concurrency.split(",")]
     rows = asyncio.run(run_all(args))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     errors = sum(r["errors"] or 0 for r in rows)
-    pd_ratio = statistics.median(r["x_colocated"] or 0 for r in rows if r["deployment"] == "pd")
+    pd_ratio = statistics.median(
+        [r["x_colocated"] or 0 for r in rows if r["deployment"] == "pd"] or [0.0]
+    )
     print(f"\nrequests that failed: {errors}; median PD/colocated throughput: {pd_ratio:.2f}")
     return 1 if errors else 0
 

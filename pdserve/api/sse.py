@@ -47,7 +47,15 @@ class SseWriter:
 
     async def send(self, data: bytes) -> None:
         """Write already-encoded events (several may be joined into one write)."""
-        await self._guarded(self.response.write(data))
+        if self._request.protocol.writing_paused:
+            await self._guarded(self.response.write(data))
+            return
+        # The transport takes the bytes at once: the write cannot block, so it needs no timer
+        # (a timer per event is a measurable share of a token's cost on the loop).
+        try:
+            await self.response.write(data)
+        except ConnectionError as exc:
+            raise ClientGone(str(exc) or type(exc).__name__) from exc
 
     async def finish(self) -> None:
         """``[DONE]`` then end of body."""

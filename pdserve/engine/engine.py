@@ -13,7 +13,6 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.config import EngineConfig
@@ -26,6 +25,7 @@ from pdserve.engine.protocol import (
     TokenLogprob,
 )
 from pdserve.engine.request import Request, RequestState
+from pdserve.engine.runner_thread import RunnerThread
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
 from pdserve.kernels.kv_cache import PageAllocator
@@ -65,11 +65,13 @@ class Engine:
             incarnation=incarnation,
         )
         self._requests: dict[str, Request] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-runner")
+        self._runner_thread = RunnerThread()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stepping = False
         self._deferred_frees: list[int] = []
+        # Deltas of the last step for requests that go on: emitted while the next step computes.
+        self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
         self._ready = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -94,7 +96,7 @@ class Engine:
         if self._loop_task:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        await self._runner_thread.stop()
 
     def is_ready(self) -> bool:
         return self._ready and self._loop_task is not None and not self._loop_task.done()
@@ -106,8 +108,7 @@ class Engine:
         )
         seq.page_ids = self.allocator.allocate(1)
         try:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self.runner.prefill, [seq])
+            await self._runner_thread.submit(self.runner.prefill, [seq])
         finally:
             self.allocator.free(seq.page_ids)
 
@@ -181,19 +182,25 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         decodes = self.config.role != "prefill"
         while True:
             batch = self.scheduler.schedule(decode=decodes)
             if batch is None:
+                if self._deferred_emits:
+                    self._emit_deferred()  # may end requests and free pages: schedule again
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             fn = self.runner.prefill if batch.kind == "prefill" else self.runner.decode
             seqs = [r.seq for r in batch.requests]
             self._stepping = True
+            fut = self._runner_thread.submit(fn, seqs)
+            # Overlap: the previous step's detokenization, stop-string checks and streaming run
+            # on the loop while the runner thread computes this step.
+            self._emit_deferred()
             try:
-                out = await loop.run_in_executor(self._executor, fn, seqs)
+                out = await fut
             except Exception as e:  # a model error fails this batch, never the server
                 logger.exception("%s step failed for %d requests", batch.kind, len(seqs))
                 for req in batch.requests:
@@ -205,27 +212,44 @@ class Engine:
             self._apply(batch, out)
 
     def _apply(self, batch: Batch, out: RunnerOutput) -> None:
+        """Commit a step's tokens. Requests that end with this token (stop token, length) are
+        finished now so the next step leaves them out; the others' deltas are deferred to
+        :meth:`_emit_deferred`, which runs once the next step is submitted."""
         logprobs = out.logprobs or [None] * len(out.token_ids)
+        is_prefill = batch.kind == "prefill"
+        deferred = self._deferred_emits
         for req, tok, lp in zip(batch.requests, out.token_ids, logprobs, strict=True):
             if req.is_finished:
-                continue
+                continue  # aborted, failed or stopped (stop string) while the step ran
             seq = req.seq
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(tok)
-            if batch.kind == "prefill":
+            if is_prefill:
                 if self.handoff is not None and self.handoff.on_prefilled(req, tok, lp):
                     continue
                 if req.state is RequestState.WAITING:
                     req.move(RequestState.RUNNING, "prefilled")
                     self.disarm(req)
                     self.scheduler.add_running(req)
-            self.emit(req, [tok], [lp] if lp is not None else None)
+            lps = [lp] if lp is not None else None
+            if req.out_state.is_final(tok):
+                self.emit(req, [tok], lps)
+            else:
+                deferred.append((req, tok, lps))
+
+    def _emit_deferred(self) -> None:
+        if not self._deferred_emits:
+            return
+        items, self._deferred_emits = self._deferred_emits, []
+        for req, tok, lps in items:
+            if not req.is_finished:  # an abort or deadline may have ended it since
+                self.emit(req, [tok], lps)
 
     # ---- outputs and endings ---------------------------------------------------------------
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         out = req.out_state.update(ids, logprobs)
         self.observer.on_tokens(req, len(ids))
-        req.outputs.put_nowait(out)
+        req.outputs.put(out)
         if out.finish_reason is not None:
             self._finish(req, out.finish_reason)
 
@@ -248,7 +272,7 @@ class Engine:
         out = req.out_state.update(ids, None)
         out.finish_reason = out.finish_reason or finish_reason
         self.observer.on_tokens(req, len(ids))
-        req.outputs.put_nowait(out)
+        req.outputs.put(out)
         self._finish(req, out.finish_reason)
 
     def fail(self, req: Request, error: EngineError) -> None:
@@ -259,14 +283,14 @@ class Engine:
             return
         req.error = error
         logger.info("req=%s room=%s failed: %s", req.request_id, req.room_id, error.message)
-        req.outputs.put_nowait(error)
+        req.outputs.put(error)
         self._finish(req, "error", reason=error.message)
 
     def _abort_request(self, req: Request, reason: str) -> None:
         if req.is_finished:
             return
         self.observer.on_abort(req)
-        req.outputs.put_nowait(
+        req.outputs.put(
             GenerateOutput(req.request_id, [], "", req.seq.num_prompt_tokens,
                            req.seq.num_generated, finish_reason="abort")
         )  # fmt: skip

@@ -28,6 +28,19 @@ class OutputState:
         self._num_sent_chars = 0
         self._num_sent_tokens = 0
 
+    def is_final(self, last_token: int) -> bool:
+        """Does the sequence end with ``last_token`` (already appended) by a token-level rule?
+
+        Stop strings need the text and are found by :meth:`update`; every other ending is known
+        here, before detokenizing, so the engine can leave the sequence out of the next step.
+        """
+        seq = self.seq
+        return (
+            last_token in self._stop_ids
+            or seq.num_generated >= seq.sampling.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        )
+
     def update(
         self, new_ids: list[int], logprobs: list[TokenLogprob] | None = None
     ) -> GenerateOutput:

@@ -1,5 +1,5 @@
 """A Request is one generation stream inside an engine: its Sequence, its lifecycle state and
-the queue its outputs are streamed through. Plain object; the engine (on the loop) is its writer.
+the mailbox its outputs are streamed through. Plain object; the engine (on the loop) is its writer.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.engine.protocol import EngineError, GenerateOutput, KVTransferParams
+from pdserve.engine.mailbox import OutputMailbox
+from pdserve.engine.protocol import EngineError, KVTransferParams
 from pdserve.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class Request:
     overall_deadline: asyncio.TimerHandle | None = None
     pages_in_room: bool = False  # decode: pages lent to a KV room (the room frees them on failure)
     out_state: OutputState | None = None
-    outputs: asyncio.Queue[GenerateOutput | EngineError] = field(default_factory=asyncio.Queue)
+    outputs: OutputMailbox = field(default_factory=OutputMailbox)
 
     @property
     def room_id(self) -> str | None:

@@ -156,3 +156,45 @@ async def test_preemption_under_page_pressure_keeps_greedy_outputs(small_runner:
         await assert_idle(engine)
     finally:
         await engine.stop()
+
+
+async def test_request_ending_by_length_is_left_out_of_the_next_step(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+):
+    """Overlap emits a step's deltas after the next step is submitted; a request whose token
+    ends it (length, stop token) must already be out of that next step."""
+    steps: list[list[str]] = []
+    decode = runner.decode
+
+    def spy(seqs: list) -> object:
+        steps.append([s.seq_id for s in seqs])
+        return decode(seqs)
+
+    monkeypatch.setattr(runner, "decode", spy)
+    engine = await started(runner)
+    try:
+        prompt = runner.tokenizer.encode("count")
+        short, long = await asyncio.gather(
+            collect(engine, "short", prompt, max_tokens=3, temperature=0, ignore_eos=True),
+            collect(engine, "long", prompt, max_tokens=9, temperature=0, ignore_eos=True),
+        )
+        assert len(tokens(short)) == 3 and len(tokens(long)) == 9
+        # Prefill samples token 1; each decode step adds one: exactly max_tokens - 1 steps.
+        assert sum("short" in s for s in steps) == 2
+        assert sum("long" in s for s in steps) == 8
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_deltas_of_a_step_stream_in_token_order_across_overlapped_steps(runner: ModelRunner):
+    engine = await started(runner)
+    try:
+        prompt = runner.tokenizer.encode("order")
+        req = GenerateRequest("ord", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                           ignore_eos=True))  # fmt: skip
+        counts = [out.num_generated_tokens async for out in engine.generate(req)]
+        assert counts == sorted(counts) and counts[-1] == 12
+        await assert_idle(engine)
+    finally:
+        await engine.stop()

@@ -1,0 +1,79 @@
+"""The one thread that runs model steps, with a lean hand-off to and from the event loop.
+
+``loop.run_in_executor`` costs a concurrent future, its condition variable, a chained asyncio
+future and two callbacks per call; a model step is submitted hundreds of times a second, so this
+thread takes ``(fn, arg, future)`` from a ``SimpleQueue`` and hands the result back with a single
+``call_soon_threadsafe``. The thread only computes: it never touches engine state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_STOP = object()
+
+
+class RunnerThread:
+    """Runs submitted calls one at a time, in submission order, on a dedicated thread."""
+
+    def __init__(self, name: str = "pdserve-runner") -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._is_started = False
+        self._is_stopped = False
+
+    def submit(self, fn: Callable[[Any], T], arg: Any) -> asyncio.Future[T]:
+        """Queue ``fn(arg)``; the returned future resolves on the calling loop."""
+        if self._is_stopped:
+            raise RuntimeError("runner thread is stopped")
+        if not self._is_started:
+            self._thread.start()
+            self._is_started = True
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, arg, fut, loop))
+        return fut
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the queued calls, then end the thread (waits at most ``timeout_s``)."""
+        if self._is_stopped:
+            return
+        self._is_stopped = True
+        if not self._is_started:
+            return
+        self._jobs.put(_STOP)
+        await asyncio.to_thread(self._thread.join, timeout_s)
+        if self._thread.is_alive():
+            logger.warning("runner thread still busy %.0fs after stop", timeout_s)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            fn, arg, fut, loop = job
+            try:
+                result, error = fn(arg), None
+            except BaseException as exc:  # handed to the awaiting coroutine, which decides
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, result, error)
+            except RuntimeError:  # the loop closed while this step ran: nobody is waiting
+                return
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
