@@ -1,13 +1,17 @@
 """Model runner speed vs `transformers` on the same weights (issue 3's reference configs).
 
-Run: ``python bench/model_bench.py [--configs tiny,small] [--batches 1,8,32] [--generate]``.
+Run: ``python bench/model_bench.py [--configs tiny,small] [--batches 1,8,32] [--generate]
+[--sampling greedy,random,top-p,top-k-top-p]``.
 For each config it writes a random-weight Llama checkpoint (bf16, vocab 32000, head_dim 64)
 and, with 128-token prompts and 128 new tokens, measures:
 
 * decode steps at batch N: pdserve ``ModelRunner.decode`` vs a bare transformers loop
   feeding ``past_key_values`` (greedy). The two sides' steps are interleaved, so a shared,
   busy machine slows both alike; medians. pdserve's step is split into model forward
-  (embed..logits) and Python (batch building, sampling, conversion to lists);
+  (embed..logits) and Python (batch building, sampling, conversion to lists). ``--sampling``
+  picks pdserve's sampling mode (seeded; the reference stays greedy, so its column is the
+  same model work): greedy, random (temperature 0.8), top-p (0.8, top_p 0.95), top-k-top-p
+  (0.8, top_k 50, top_p 0.95);
 * with ``--generate``: end-to-end throughput including prefill, ``pdserve.generate.generate``
   vs ``model.generate`` (best of ``--repeats`` interleaved runs).
 """
@@ -38,11 +42,18 @@ SHAPES: dict[str, dict[str, int]] = {
     "small": {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
               "num_key_value_heads": 4, "intermediate_size": 2816},
 }  # fmt: skip
+SAMPLING_MODES: dict[str, SamplingParams] = {
+    "greedy": SamplingParams(temperature=0.0),
+    "random": SamplingParams(temperature=0.8, seed=1),
+    "top-p": SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+    "top-k-top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1),
+}
 
 
 @dataclass
 class DecodeRow:
     config: str
+    sampling: str
     batch: int
     ours_ms: float  # median step
     ref_ms: float
@@ -55,7 +66,7 @@ class DecodeRow:
     def line(self) -> str:
         tok_s = f"{self.batch * 1e3 / self.ours_ms:8.1f} vs {self.batch * 1e3 / self.ref_ms:8.1f}"
         return (
-            f"{self.config:6} decode b={self.batch:<3} "
+            f"{self.config:6} {self.sampling:11} decode b={self.batch:<3} "
             f"{self.ours_ms:8.2f} {self.ref_ms:8.2f} ms/step"
             f"  {tok_s} tok/s  {self.speedup:5.2f}x   split: model {self.model_ms:.2f} + "
             f"python {self.ours_ms - self.model_ms:.2f} ms"
@@ -85,13 +96,12 @@ def _prompts(batch: int) -> list[list[int]]:
 class _PdserveDecoder:
     """pdserve: ``batch`` prefilled sequences, stepped one decode at a time."""
 
-    def __init__(self, runner: ModelRunner, batch: int) -> None:
+    def __init__(self, runner: ModelRunner, batch: int, sampling: SamplingParams) -> None:
         self.runner = runner
         num_pages = runner.kv_config.pages_for(PROMPT_LEN + NEW_TOKENS + 1)
-        greedy = SamplingParams(temperature=0)
         self.seqs = [
             Sequence(
-                f"b{i}", p, PROMPT_LEN, greedy, list(range(i * num_pages, (i + 1) * num_pages))
+                f"b{i}", p, PROMPT_LEN, sampling, list(range(i * num_pages, (i + 1) * num_pages))
             )
             for i, p in enumerate(_prompts(batch))
         ]
@@ -123,9 +133,12 @@ class _TransformersDecoder:
         self.past, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def decode_steps(runner: ModelRunner, model: Any, name: str, batch: int) -> DecodeRow:
+def decode_steps(
+    runner: ModelRunner, model: Any, name: str, batch: int, sampling: str = "greedy"
+) -> DecodeRow:
     """Median step time of both sides at ``batch``, their steps interleaved."""
-    ours, ref = _PdserveDecoder(runner, batch), _TransformersDecoder(model, batch)
+    ours = _PdserveDecoder(runner, batch, SAMPLING_MODES[sampling])
+    ref = _TransformersDecoder(model, batch)
     ours_ms, ref_ms = [], []
     for _ in range(NEW_TOKENS):
         for side, times in ((ours, ours_ms), (ref, ref_ms)):
@@ -133,7 +146,7 @@ def decode_steps(runner: ModelRunner, model: Any, name: str, batch: int) -> Deco
             side.step()
             times.append((time.perf_counter() - start) * 1e3)
     return DecodeRow(
-        name, batch, statistics.median(ours_ms), statistics.median(ref_ms),
+        name, sampling, batch, statistics.median(ours_ms), statistics.median(ref_ms),
         statistics.median(ours.model_ms),
     )  # fmt: skip
 
@@ -167,10 +180,11 @@ def bench_config(root: Path, name: str, args: argparse.Namespace) -> dict[str, A
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     decode_steps(runner, reference, name, 1)  # warm-up: one-off allocations on both sides
     result: dict[str, Any] = {"config": name, "decode": [], "generate": []}
-    for batch in args.batches:
-        row = decode_steps(runner, reference, name, batch)
-        print(row.line(), flush=True)
-        result["decode"].append(vars(row) | {"speedup": row.speedup})
+    for sampling in args.sampling:
+        for batch in args.batches:
+            row = decode_steps(runner, reference, name, batch, sampling)
+            print(row.line(), flush=True)
+            result["decode"].append(vars(row) | {"speedup": row.speedup})
     for batch in args.batches if args.generate else []:
         # Interleaved repeats, best of each: the least disturbed run on a shared machine.
         ours, ref = [], []
@@ -187,11 +201,22 @@ def _int_list(text: str) -> list[int]:
     return [int(b) for b in text.split(",")]
 
 
+def _modes(text: str) -> list[str]:
+    modes = text.split(",")
+    unknown = [m for m in modes if m not in SAMPLING_MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown sampling mode(s) {unknown}")
+    return modes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--configs", default="tiny,small")
     parser.add_argument(
         "--batches", default="1,8,32", type=lambda s: [int(b) for b in s.split(",")]
+    )
+    parser.add_argument(
+        "--sampling", default="greedy", type=_modes, help=f"any of {','.join(SAMPLING_MODES)}"
     )
     parser.add_argument("--generate", action="store_true", help="also end-to-end generate")
     parser.add_argument("--repeats", type=int, default=2, help="generate runs per side")

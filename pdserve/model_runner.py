@@ -17,8 +17,14 @@ import torch
 from pdserve.engine.protocol import TokenLogprob
 from pdserve.kernels.attention import PrefillSeqMeta, additive_mask, decode_key_mask
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
-from pdserve.kernels.linear import has_fast_bf16_matmul
-from pdserve.kernels.sampling import SamplerOutput, sample, sampling_tensors_for
+from pdserve.kernels.linear import auto_fp32_min_rows
+from pdserve.kernels.sampling import (
+    SamplerOutput,
+    is_plain_greedy,
+    sample,
+    sampling_tensors_for,
+)
+from pdserve.kernels.topk import argmax_rows
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import ForwardBatch, LlamaModel, PagedKV
 from pdserve.model.loader import load_weights
@@ -27,9 +33,6 @@ from pdserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-# Measured on the 2-core AVX2 EPYC machines, 1024x5632 bf16 weight, 2 threads: bf16 costs
-# ~0.37 ms per row (a GEMV per row), MKL float32 ~2.8 ms at 4-8 rows; they tie at 8 rows.
-AUTO_FP32_MIN_ROWS = 8
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -107,6 +110,10 @@ class ModelRunner:
         # The transport registers this tensor with NIXL: it is never reallocated.
         self.kv_pool = KVPagePool(self.kv_config, device=self.device)
         self._paged_kv = PagedKV.of(self.kv_pool)
+        # Reused every decode step by the key mask (read only).
+        max_keys = self.max_model_len + self.kv_config.page_size
+        self._key_positions = torch.arange(max_keys, device=self.device)
+        self._zero_mask_row = torch.zeros(max_keys, dtype=self.dtype, device=self.device)
         self.stats = RunnerStats()
         logger.info(
             "runner ready: %s, %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d",
@@ -129,8 +136,7 @@ class ModelRunner:
     def _fp32_min_rows(self) -> int | None:
         rows = self.config.fp32_matmul_min_rows
         if rows is None:
-            is_slow_bf16 = self.dtype == torch.bfloat16 and not has_fast_bf16_matmul(self.device)
-            return AUTO_FP32_MIN_ROWS if is_slow_bf16 else None
+            return auto_fp32_min_rows(self.device, self.dtype)
         return rows or None
 
     def _max_model_len(self, mc: ModelConfig) -> int:
@@ -248,22 +254,30 @@ class ModelRunner:
 
     def _decode_batch(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ForwardBatch]:
         page_size = self.kv_config.page_size
-        max_pages = max(-(-s.num_tokens // page_size) for s in seqs)
-        # Padding entries point at page 0; the key mask hides them.
-        rows = [s.page_ids[:max_pages] + [0] * (max_pages - len(s.page_ids)) for s in seqs]
-        block_table = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        context_lens = self._tensor([s.num_tokens for s in seqs])
-        positions = context_lens - 1
-        page_idx = block_table.gather(1, (positions // page_size).unsqueeze(1)).squeeze(1)
+        num_seqs = len(seqs)
+        lens = [s.num_tokens for s in seqs]
+        max_pages = -(-max(lens) // page_size)
+        # Everything the step needs in one Python list -> one tensor, sliced into views: the
+        # per-token values are a handful of ints per sequence, cheaper in Python than as a
+        # chain of small torch ops. Padding entries point at page 0; the key mask hides them.
+        flat = [s.token_ids[-1] for s in seqs] + lens
+        flat += [s.page_ids[(n - 1) // page_size] for s, n in zip(seqs, lens, strict=True)]
+        flat += [(n - 1) % page_size for n in lens]
+        for s in seqs:
+            pages = s.page_ids[:max_pages]
+            flat += pages
+            flat += [0] * (max_pages - len(pages))
+        data = self._tensor(flat)
+        input_ids, context_lens, page_idx, page_offset = data[: 4 * num_seqs].view(4, num_seqs)
         batch = ForwardBatch(
-            positions=positions,
+            positions=context_lens - 1,
             page_idx=page_idx,
-            page_offset=positions % page_size,
-            block_table=block_table,
+            page_offset=page_offset,
+            block_table=data[4 * num_seqs :].view(num_seqs, max_pages),
             context_lens=context_lens,
             key_mask=self._key_mask(seqs, context_lens, max_pages * page_size),
         )
-        return self._tensor([s.token_ids[-1] for s in seqs]), batch
+        return input_ids, batch
 
     def _key_mask(
         self, seqs: list[Sequence], context_lens: torch.Tensor, max_len: int
@@ -272,11 +286,18 @@ class ModelRunner:
         is_windowed = window is not None and max_len > window
         if not is_windowed and all(s.num_tokens == max_len for s in seqs):
             return None  # every key of every sequence is visible: no mask at all
-        return additive_mask(decode_key_mask(context_lens, max_len, window), self.dtype)
+        if is_windowed:
+            return additive_mask(decode_key_mask(context_lens, max_len, window), self.dtype)
+        # Additive mask in one pass: 0 where key position < length, -inf from it on.
+        is_hidden = self._key_positions[:max_len] >= context_lens.unsqueeze(1)
+        return self._zero_mask_row[:max_len].masked_fill(is_hidden, float("-inf"))
 
     # ----- sampling -----------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> RunnerOutput:
+        if is_plain_greedy(seqs):
+            # The common case needs no per-row parameters: skip building them.
+            return RunnerOutput(token_ids=argmax_rows(logits).tolist())
         tensors = sampling_tensors_for(seqs, self.device)
         with torch.inference_mode():
             result = sample(logits, tensors)

@@ -37,6 +37,14 @@ def write_kv(
     v_cache[page_idx, page_offset] = v
 
 
+def write_layer_kv(
+    layer_pool: torch.Tensor, page_idx: torch.Tensor, page_offset: torch.Tensor, kv: torch.Tensor
+) -> None:
+    """Scatter per-token ``kv`` ``(T, 2, Hkv, D)`` (K and V side by side) into one layer's pool
+    view ``(num_pages, 2, page_size, Hkv, D)``: one indexed write instead of two."""
+    layer_pool[page_idx, :, page_offset] = kv
+
+
 def gather_kv(cache: torch.Tensor, page_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """One sequence's first ``num_tokens`` tokens from its pages, ``(num_tokens, Hkv, D)``."""
     pages = cache.index_select(0, page_ids)

@@ -19,7 +19,8 @@ class DecodeContext:
     """Per-step copies ``(B, max_pages * page_size, Hkv, D)`` of each layer's keys and values.
 
     The step's new tokens are not in the pool when the copy is made; :meth:`layer` writes them
-    into the copy (the caller writes them into the pool).
+    into the copy (the caller writes them into the pool). The gather runs before the first
+    layer (one copy for many layers, see above), so the new tokens cannot be in the pool yet.
     """
 
     def __init__(
@@ -53,13 +54,12 @@ class DecodeContext:
         )
         self._start, self._stop = start, stop
 
-    def layer(
-        self, index: int, new_k: torch.Tensor, new_v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer ``index``, including this step's ``new_k``/``new_v``."""
+    def layer(self, index: int, new_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer ``index``, including this step's ``new_kv`` ``(B, 2, Hkv, D)``
+        (each sequence's new K and V)."""
         if not self._start <= index < self._stop:
             self._gather(index)
-        keys, values = self._chunk[index - self._start].unbind(0)
-        keys.view(-1, *self._head_shape)[self._new_slots] = new_k
-        values.view(-1, *self._head_shape)[self._new_slots] = new_v
-        return keys, values
+        kv = self._chunk[index - self._start]  # (2, B, context, Hkv, D)
+        # One scatter for K and V: (2, B * context, Hkv, D)[:, slots] = (2, B, Hkv, D).
+        kv.view(2, -1, *self._head_shape)[:, self._new_slots] = new_kv.transpose(0, 1)
+        return kv[0], kv[1]

@@ -64,12 +64,19 @@ def rope_tables(
     return cos.to(dtype=dtype, device=device), signed_sin.to(dtype=dtype, device=device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotate ``x`` ``(T, heads, head_dim)`` by per-token tables ``(T, head_dim)``.
 
     Equals the reference ``x * cos + rotate_half(x) * sin`` with
     ``rotate_half(x) = cat(-x2, x1)``: rolling by half a head gives ``cat(x2, x1)`` and the
-    sign lives in the table, so this is three kernels instead of six.
+    sign lives in the table, so this is three kernels instead of six. ``out`` may be ``x``
+    itself (both products are taken before it is written): the result then lands in place,
+    inside a larger fused projection output, with no extra copy.
     """
     rolled = x.roll(x.shape[-1] // 2, dims=-1)
-    return torch.addcmul(x * cos.unsqueeze(1), rolled, signed_sin.unsqueeze(1))
+    return torch.addcmul(x * cos.unsqueeze(1), rolled, signed_sin.unsqueeze(1), out=out)

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.attention import PrefillSeqMeta, decode_attention, prefill_attention, write_kv
+from pdserve.kernels.attention import (
+    PrefillSeqMeta,
+    decode_attention,
+    prefill_attention,
+    write_layer_kv,
+)
 from pdserve.kernels.decode_context import DecodeContext
 from pdserve.kernels.kv_cache import KVPagePool
 from pdserve.kernels.linear import Linear
@@ -35,11 +40,13 @@ class PagedKV:
 
     pool: torch.Tensor  # (num_pages, num_layers, 2, page_size, Hkv, D)
     layers: list[LayerCache]
+    layer_pools: list[torch.Tensor]  # per layer (num_pages, 2, page_size, Hkv, D): K and V
 
     @classmethod
     def of(cls, kv_pool: KVPagePool) -> PagedKV:
-        layers = [kv_pool.layer_kv(i) for i in range(kv_pool.config.num_layers)]
-        return cls(pool=kv_pool.kv, layers=layers)
+        num_layers = kv_pool.config.num_layers
+        layers = [kv_pool.layer_kv(i) for i in range(num_layers)]
+        return cls(kv_pool.kv, layers, [kv_pool.kv[:, i] for i in range(num_layers)])
 
 
 @dataclass
@@ -121,9 +128,9 @@ class LlamaModel:
             context = DecodeContext(kv.pool, batch.block_table, batch.context_lens)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
-            h = h + self._attention(i, layer, x, cos, sin, batch, kv.layers[i], context)
+            h += self._attention(i, layer, x, cos, sin, batch, kv, context)  # h is ours: in place
             x = rms_norm(h, layer.post_norm, eps)
-            h = h + self._mlp(layer, x)
+            h += self._mlp(layer, x)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -134,19 +141,25 @@ class LlamaModel:
 
     def _qkv(
         self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projected, normed (Qwen3) and rotated ``q (T,H,D)``, ``k``/``v`` ``(T,Hkv,D)``."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected, normed (Qwen3) and rotated ``q (T,H,D)`` and ``kv (T,2,Hkv,D)``.
+
+        Rope writes back into the fused projection output, so K and V stay side by side and
+        reach the pool (and the decode context) in one indexed write each.
+        """
         cfg = self.config
         num_heads, num_kv = cfg.num_heads, cfg.num_kv_heads
         heads = layer.qkv(x).view(x.shape[0], num_heads + 2 * num_kv, cfg.head_dim)
-        v = heads[:, num_heads + num_kv :]
+        kv = heads[:, num_heads:].unflatten(1, (2, num_kv))
         if layer.q_norm is not None and layer.k_norm is not None:
             q = rms_norm(heads[:, :num_heads], layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(heads[:, num_heads : num_heads + num_kv], layer.k_norm, cfg.rms_norm_eps)
-            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-        # q and k are adjacent heads of the fused output: rotate them in one go.
-        qk = apply_rope(heads[:, : num_heads + num_kv], cos, sin)
-        return qk[:, :num_heads], qk[:, num_heads:], v
+            apply_rope(k, cos, sin, out=kv[:, 0])
+            return apply_rope(q, cos, sin), kv
+        # q and k are adjacent heads of the fused output: rotate them in one go, in place.
+        qk = heads[:, : num_heads + num_kv]
+        apply_rope(qk, cos, sin, out=qk)
+        return heads[:, :num_heads], kv
 
     def _attention(
         self,
@@ -156,19 +169,19 @@ class LlamaModel:
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-        kv_cache: LayerCache,
+        kv: PagedKV,
         context: DecodeContext | None,
     ) -> torch.Tensor:
-        q, k, v = self._qkv(layer, x, cos, sin)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, batch.page_idx, batch.page_offset, k, v)
+        q, new_kv = self._qkv(layer, x, cos, sin)
+        write_layer_kv(kv.layer_pools[index], batch.page_idx, batch.page_offset, new_kv)
         if context is not None:
-            keys, values = context.layer(index, k, v)
+            keys, values = context.layer(index, new_kv)
             out = decode_attention(q, keys, values, batch.key_mask, self.scale)
         else:
             assert batch.prefill_seqs is not None
+            k_cache, v_cache = kv.layers[index]
             out = prefill_attention(
-                q, k, v, batch.prefill_seqs, k_cache, v_cache, self.scale,
+                q, new_kv[:, 0], new_kv[:, 1], batch.prefill_seqs, k_cache, v_cache, self.scale,
                 self.config.sliding_window,
             )  # fmt: skip
         return layer.o_proj(out.reshape(x.shape[0], self.config.q_size))
@@ -176,4 +189,4 @@ class LlamaModel:
     @staticmethod
     def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        return layer.down(F.silu(gate).mul_(up))

@@ -12,6 +12,7 @@ from pdserve.kernels.attention import (
     gather_pages,
     prefill_attention,
     write_kv,
+    write_layer_kv,
 )
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 8, 4
@@ -120,3 +121,14 @@ def test_additive_mask_gives_the_same_decode_as_the_boolean_mask() -> None:
     got = decode_attention(q, keys, values, additive_mask(mask, q.dtype), DIM**-0.5)
     torch.testing.assert_close(got, expected)
     assert additive_mask(mask, torch.float32)[0].tolist()[4:] == [0.0] + [float("-inf")] * 3
+
+
+def test_write_layer_kv_places_k_and_v_like_two_writes() -> None:
+    torch.manual_seed(4)
+    layer_pool = torch.zeros(16, 2, PAGE, KV_HEADS, DIM)  # (pages, K/V, page_size, Hkv, D)
+    kv = torch.randn(3, 2, KV_HEADS, DIM)
+    pages, offsets = torch.tensor([7, 7, 2]), torch.tensor([0, 3, 1])
+    write_layer_kv(layer_pool, pages, offsets, kv)
+    kc, vc = _caches()
+    write_kv(kc, vc, pages, offsets, kv[:, 0], kv[:, 1])
+    assert torch.equal(layer_pool[:, 0], kc) and torch.equal(layer_pool[:, 1], vc)

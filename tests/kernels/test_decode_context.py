@@ -21,7 +21,7 @@ def test_layer_copies_match_page_gathers_with_new_token_inserted(max_gather_byte
     assert ctx.num_layers_per_gather == (LAYERS if max_gather_bytes > 1 else 1)
     for layer in range(LAYERS):
         new_k, new_v = torch.randn(2, KV_HEADS, DIM), torch.randn(2, KV_HEADS, DIM)
-        keys, values = ctx.layer(layer, new_k, new_v)
+        keys, values = ctx.layer(layer, torch.stack([new_k, new_v], dim=1))
         expected_k = gather_pages(pool[:, layer, 0], block_table)
         expected_v = gather_pages(pool[:, layer, 1], block_table)
         for b, n in enumerate(context_lens.tolist()):

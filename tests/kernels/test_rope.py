@@ -48,3 +48,15 @@ def test_apply_rope_equals_the_rotate_half_formula() -> None:
     rotate_half = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
     expected = x * cos[pos].unsqueeze(1) + rotate_half * sin[pos].unsqueeze(1)
     torch.testing.assert_close(apply_rope(x, cos[pos], signed_sin[pos]), expected)
+
+
+def test_rope_written_in_place_into_a_fused_projection_equals_out_of_place() -> None:
+    torch.manual_seed(0)
+    cos, sin = rope_tables(32, 8, 10000.0, None, torch.float32)
+    heads = torch.randn(5, 7, 8)  # q (4 heads) + k (1) + v (2), as the fused QKV output
+    positions = torch.tensor([0, 3, 9, 17, 31])
+    expected = apply_rope(heads[:, :5], cos[positions], sin[positions])
+    untouched = heads[:, 5:].clone()
+    qk = heads[:, :5]
+    apply_rope(qk, cos[positions], sin[positions], out=qk)
+    assert torch.equal(heads[:, :5], expected) and torch.equal(heads[:, 5:], untouched)

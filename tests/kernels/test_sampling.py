@@ -10,7 +10,10 @@ import torch
 from pdserve.kernels.sampling import (
     SamplingTensors,
     _filter_top_k_top_p,
+    _mix32,
+    _mix32_int32,
     apply_penalties,
+    is_plain_greedy,
     sample,
     sampling_tensors_for,
     uniform_noise,
@@ -131,11 +134,13 @@ def test_unseeded_requests_draw_fresh_seeds() -> None:
 
 
 def _sorted_nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
-    """The nucleus by the textbook full-sort definition."""
+    """The nucleus by the textbook full-sort definition (masses summed in float64, so that
+    float32 rounding does not decide tokens at the boundary)."""
     probs = logits.softmax(-1)
     order = probs.argsort(descending=True)
-    mass_before = probs[order].cumsum(0) - probs[order]
-    return set(order[mass_before < top_p].tolist())
+    sorted_probs = probs[order].double()
+    mass_before = sorted_probs.cumsum(0) - sorted_probs
+    return set(order[mass_before < torch.tensor(top_p, dtype=torch.float32).double()].tolist())
 
 
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
@@ -179,3 +184,32 @@ def test_truncated_sampling_equals_the_full_vocabulary_race() -> None:
     expected = (masked - torch.log(-torch.log(noise))).argmax(dim=1)
     assert torch.equal(picked, expected)
     assert len(set(picked.tolist())) > 3  # rows differ, but each picks within its top 3
+
+
+def test_int32_hash_has_the_bits_of_the_int64_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat(
+        [torch.randint(0, 2**32, (5000,), generator=gen), torch.tensor([0, 2**32 - 1])]
+    )
+    signed = torch.where(values >= 2**31, values - 2**32, values).to(torch.int32)
+    got = _mix32_int32(signed).to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(got, _mix32(values))
+
+
+def test_plain_greedy_means_greedy_without_penalties_or_logprobs() -> None:
+    def seq(**params: object) -> Sequence:
+        return Sequence("s", [1, 2], 2, SamplingParams(**params))  # type: ignore[arg-type]
+
+    assert is_plain_greedy([seq(temperature=0.0), seq(top_k=1, temperature=0.7)])
+    assert not is_plain_greedy([seq(temperature=0.0), seq(temperature=0.7)])
+    assert not is_plain_greedy([seq(temperature=0.0, logprobs=True)])
+    assert not is_plain_greedy([seq(temperature=0.0, presence_penalty=0.5)])
+    assert not is_plain_greedy([seq(temperature=0.0, repetition_penalty=1.2)])
+
+
+def test_all_greedy_batch_is_the_first_argmax_even_with_ties() -> None:
+    logits = torch.randn(5, 1000).bfloat16().float()
+    logits[2, [10, 700]] = 50.0  # tie: the lower id wins, as with argmax
+    t = _tensors(5, temperature=torch.zeros(5))
+    assert torch.equal(sample(logits, t).token_ids, logits.argmax(dim=1))
+    assert sample(logits, t).token_ids[2] == 10
