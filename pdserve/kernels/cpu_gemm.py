@@ -1,9 +1,10 @@
 """The AVX2 bf16-weight matmul for decode-sized inputs (csrc/bf16_gemm.cpp), built on first use.
 
 The C++ source is compiled once per machine with torch's extension builder and cached under
-``~/.cache/pdserve/kernels/<hash of source, flags, torch>/``. Building happens in a private
-temporary folder that is renamed into place, so processes that start together never wait on a
-lock that a killed builder left behind; the loser of a race just uses the winner's copy.
+``~/.cache/pdserve/kernels/<hash of source, flags, torch>/``. Processes that start together
+(a cluster's workers) take turns on an ``flock`` (the kernel drops it if its holder dies, so a
+killed builder never blocks the others) and the first one builds; the library is compiled in a
+private folder and renamed into place, so a reader never sees a half-written file.
 ``make install`` builds it ahead of time (``python -m pdserve.kernels.cpu_gemm``), so servers
 only load it. Where it cannot be built (no compiler) or the CPU has no AVX2, callers fall back
 to torch.
@@ -11,6 +12,8 @@ to torch.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -19,7 +22,9 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,6 +35,7 @@ MODULE_NAME = "pdserve_bf16_gemm"
 SOURCE = Path(__file__).parent / "csrc" / "bf16_gemm.cpp"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+BUILD_TIMEOUT_S = 600.0  # one compile takes ~1 min on 2 busy cores
 
 
 def default_cache_dir() -> Path:
@@ -53,10 +59,36 @@ def library_path(cache_dir: Path) -> Path:
     return cache_dir / build_key() / f"{MODULE_NAME}.so"
 
 
-def build(cache_dir: Path) -> Path:
-    """Compile into a private folder and rename the library into place (atomic)."""
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
+    """An flock on ``lock_path``, polled until ``timeout_s`` (then TimeoutError)."""
+    deadline = time.monotonic() + timeout_s
+    with open(lock_path, "a") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{lock_path} held for {timeout_s} s") from None
+                time.sleep(0.2)  # poll interval of a bounded wait, not synchronisation by sleep
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build(cache_dir: Path, timeout_s: float = BUILD_TIMEOUT_S) -> Path:
+    """Compile (unless another process just did) and rename the library into place."""
     final = library_path(cache_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(final.parent / "build.lock", timeout_s):
+        if not final.exists():
+            _compile_into(final)
+    return final
+
+
+def _compile_into(final: Path) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="build-", dir=final.parent))
     try:
         from torch.utils.cpp_extension import load
@@ -70,7 +102,6 @@ def build(cache_dir: Path) -> Path:
         os.replace(scratch / f"{MODULE_NAME}.so", final)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return final
 
 
 def _put_ninja_on_path() -> None:
