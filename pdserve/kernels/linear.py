@@ -72,11 +72,12 @@ class Linear:
         return packed + sum(t.numel() * t.element_size() for t in tensors)
 
 
-# Row counts from which float32 (oneDNN) beats the bf16 alternatives, measured on the 2-core
-# AVX2 EPYC, "small" model shapes, 2 threads: torch's bf16 matmul ties with float32 at 8 rows;
-# the packed bf16 kernel is ~2x float32 at 8 rows, ~1.1x at 16 and ties at 24-32.
+# Row counts from which float32 (oneDNN) beats the bf16 alternatives, on the 2-core AVX2 EPYC,
+# "small" model projections, 2 threads (bench/linear_bench.py): torch's bf16 matmul ties with
+# float32 at 8 rows; the packed bf16 kernel is 2.9x float32 at 1 row, 1.5x at 8, 1.1x at 32-64
+# and ties at ~96.
 FP32_MIN_ROWS_VS_TORCH_BF16 = 8
-FP32_MIN_ROWS_VS_KERNEL = 24
+FP32_MIN_ROWS_VS_KERNEL = 64
 
 
 def auto_fp32_min_rows(device: torch.device, dtype: torch.dtype) -> int | None:
