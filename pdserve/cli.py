@@ -52,6 +52,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-queue", type=float, default=60.0)
     g.add_argument("--timeout-waiting-for-kv", type=float, default=120.0)
     g.add_argument("--timeout-request", type=float, default=None, help="overall, off by default")
+    g.add_argument(
+        "--abort-quarantine", type=float, default=5.0,
+        help="decode: hold a dead sender's destination pages this long before reuse",
+    )  # fmt: skip
+    g.add_argument(
+        "--bootstrap-connect-timeout", type=float, default=2.0,
+        help="refused connections to a prefill's bootstrap server for this long fail the room",
+    )  # fmt: skip
+    g.add_argument(
+        "--bootstrap-request-timeout", type=float, default=5.0,
+        help="one HTTP request to a bootstrap server",
+    )  # fmt: skip
     p.add_argument("--log-level", default=None)
     p.add_argument(
         "--gil-switch-interval-ms",

@@ -55,6 +55,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         bootstrap_host=args.host,
         bootstrap_port=args.bootstrap_port,
         heartbeat_interval_s=args.heartbeat_interval,
+        abort_quarantine_s=args.abort_quarantine,
+        connect_timeout_s=args.bootstrap_connect_timeout,
+        request_timeout_s=args.bootstrap_request_timeout,
         checksum=args.kv_checksum,
         faults=fault_plan_from_json(args.fault_plan),
         deadlines=RoomDeadlines(

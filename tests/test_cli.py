@@ -1,4 +1,4 @@
-"""pdserve serve flags: the GIL switch interval a worker process runs with."""
+"""pdserve serve flags: the GIL switch interval, and transport timings reaching the config."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from pdserve.cli import DEFAULT_GIL_SWITCH_INTERVAL_MS, add_serve_args, apply_gil_switch_interval
+from pdserve.config_builder import server_config_from_args
 
 
 @pytest.fixture
@@ -34,3 +35,19 @@ def test_zero_keeps_the_interpreter_default(restore_switch_interval: None) -> No
     sys.setswitchinterval(0.005)
     apply_gil_switch_interval(parse("--gil-switch-interval-ms", "0").gil_switch_interval_ms)
     assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_transport_timings_are_flags_that_reach_the_transport_config(tmp_path) -> None:
+    args = parse(
+        "--model", str(tmp_path), "--abort-quarantine", "0.5",
+        "--bootstrap-connect-timeout", "0.25", "--bootstrap-request-timeout", "1.5",
+    )  # fmt: skip
+    transport = server_config_from_args(args).transport
+    assert (transport.abort_quarantine_s, transport.connect_timeout_s) == (0.5, 0.25)
+    assert transport.request_timeout_s == 1.5
+
+
+def test_a_non_positive_bootstrap_timeout_is_a_usage_error(tmp_path) -> None:
+    args = parse("--model", str(tmp_path), "--bootstrap-connect-timeout", "0")
+    with pytest.raises(ValueError, match="connect_timeout_s"):
+        server_config_from_args(args)
