@@ -81,10 +81,16 @@ class ChoiceStreams:
             raise self._pending_error
         if self.is_done:
             return []
-        if self._deadline_at is None:
-            event = await self._queue.get()  # no backstop configured: skip the timer
-        else:
-            event = await self._get_before_deadline(self._deadline_at)
+        try:
+            async with asyncio.timeout_at(self._deadline_at):  # None: no backstop, no timer
+                event = await self._queue.get()
+        except TimeoutError:
+            raise ApiError(
+                504,
+                f"Request exceeded its deadline of {self._deadline_s:g} s.",
+                err_type="timeout",
+                code="timeout:request",
+            ) from None
         batch: list[tuple[int, GenerateOutput]] = []
         while True:
             index, item = event
@@ -98,18 +104,6 @@ class ChoiceStreams:
             if self._queue.empty():
                 return batch
             event = self._queue.get_nowait()
-
-    async def _get_before_deadline(self, deadline_at: float) -> Event:
-        try:
-            async with asyncio.timeout_at(deadline_at):
-                return await self._queue.get()
-        except TimeoutError:
-            raise ApiError(
-                504,
-                f"Request exceeded its deadline of {self._deadline_s:g} s.",
-                err_type="timeout",
-                code="timeout:request",
-            ) from None
 
     def _mark(self, index: int, out: GenerateOutput) -> None:
         if out.finish_reason is not None and not self._is_finished[index]:

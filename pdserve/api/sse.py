@@ -43,28 +43,24 @@ class SseWriter:
         return self.response.prepared
 
     async def open(self) -> None:
-        await self._guarded(self.response.prepare(self._request))
+        await self._guarded(self.response.prepare(self._request), self._write_timeout_s)
 
     async def send(self, data: bytes) -> None:
         """Write already-encoded events (several may be joined into one write)."""
-        if self._request.protocol.writing_paused:
-            await self._guarded(self.response.write(data))
-            return
-        # The transport takes the bytes at once: the write cannot block, so it needs no timer
-        # (a timer per event is a measurable share of a token's cost on the loop).
-        try:
-            await self.response.write(data)
-        except ConnectionError as exc:
-            raise ClientGone(str(exc) or type(exc).__name__) from exc
+        # Unless the transport is paused it takes the bytes at once: the write cannot block, so
+        # it needs no timer (a timer per event is a measurable share of a token's cost).
+        timeout_s = self._write_timeout_s if self._request.protocol.writing_paused else None
+        await self._guarded(self.response.write(data), timeout_s)
 
     async def finish(self) -> None:
         """``[DONE]`` then end of body."""
         await self.send(DONE)
-        await self._guarded(self.response.write_eof())
+        await self._guarded(self.response.write_eof(), self._write_timeout_s)
 
-    async def _guarded(self, op: Any) -> None:
+    async def _guarded(self, op: Any, timeout_s: float | None) -> None:
+        """``op``, bounded by ``timeout_s`` (None: no timer); any failure means the client left."""
         try:
-            async with asyncio.timeout(self._write_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 await op
         except (ConnectionError, TimeoutError) as exc:
             raise ClientGone(str(exc) or type(exc).__name__) from exc

@@ -34,12 +34,11 @@ class OutputState:
         Stop strings need the text and are found by :meth:`update`; every other ending is known
         here, before detokenizing, so the engine can leave the sequence out of the next step.
         """
+        return last_token in self._stop_ids or self._is_length_end()
+
+    def _is_length_end(self) -> bool:
         seq = self.seq
-        return (
-            last_token in self._stop_ids
-            or seq.num_generated >= seq.sampling.max_tokens
-            or seq.num_tokens >= self.max_model_len
-        )
+        return seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len
 
     def update(
         self, new_ids: list[int], logprobs: list[TokenLogprob] | None = None
@@ -54,10 +53,7 @@ class OutputState:
         text_ids = [t for t in new_ids if t not in self._stop_ids]
         prev_len = len(self._text)
         self._text += self._detok.step(text_ids) if text_ids else ""
-        seq = self.seq
-        if finish is None and (
-            seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
+        if finish is None and self._is_length_end():
             finish = "length"
         if finish is not None:
             self._text += self._detok.flush()  # the end of the stream: nothing more to wait for

@@ -61,9 +61,9 @@ class KVPagePool:
         else:
             self.kv = torch.zeros(shape, dtype=c.dtype, device=device)
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Strided views of one layer's K and V, each ``(num_pages, page_size, Hkv, D)``."""
-        return self.kv[:, layer, 0], self.kv[:, layer, 1]
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """One layer's K and V pages, ``(num_pages, 2, page_size, Hkv, D)`` (a strided view)."""
+        return self.kv[:, layer]
 
     @property
     def page_bytes(self) -> int:

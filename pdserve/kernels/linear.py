@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import cpu_gemm
-from pdserve.kernels.cpu_gemm import PackedBF16Weight, pack_for_kernel
 
 
 class Linear:
@@ -41,7 +40,7 @@ class Linear:
         self.weight_f32: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
         self.is_packed = False
-        self.kernel: PackedBF16Weight | None = pack_for_kernel(weight) if use_kernel else None
+        self.kernel = cpu_gemm.pack_for_kernel(weight) if use_kernel else None
         if fp32_min_rows is not None and weight.dtype != torch.float32:
             self.weight_f32 = weight.float()
             self.bias_f32 = bias.float() if bias is not None else None

@@ -47,10 +47,6 @@ class SamplingTensors:
     max_top_logprobs: int = 0
     need_logprobs: bool = False
 
-    @property
-    def is_all_greedy(self) -> bool:
-        return bool((self.temperature <= 0).all())
-
     def rows(self, index: torch.Tensor) -> SamplingTensors:
         """The truncation/noise parameters of the rows in ``index`` (no penalties/logprobs)."""
         return SamplingTensors(

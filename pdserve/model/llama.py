@@ -28,25 +28,20 @@ from pdserve.kernels.rope import apply_rope, rope_tables
 from pdserve.model.config import ModelConfig
 from pdserve.model.weights import LayerWeights, ModelWeights
 
-LayerCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache) page views
-
 
 @dataclass
 class PagedKV:
-    """The page pool tensor and its per-layer ``(num_pages, page_size, Hkv, D)`` K/V views.
+    """The page pool tensor and its per-layer ``(num_pages, 2, page_size, Hkv, D)`` K/V views.
 
     Built once (:meth:`of`): the pool is never reallocated, so the views stay valid.
     """
 
     pool: torch.Tensor  # (num_pages, num_layers, 2, page_size, Hkv, D)
-    layers: list[LayerCache]
     layer_pools: list[torch.Tensor]  # per layer (num_pages, 2, page_size, Hkv, D): K and V
 
     @classmethod
     def of(cls, kv_pool: KVPagePool) -> PagedKV:
-        num_layers = kv_pool.config.num_layers
-        layers = [kv_pool.layer_kv(i) for i in range(num_layers)]
-        return cls(kv_pool.kv, layers, [kv_pool.kv[:, i] for i in range(num_layers)])
+        return cls(kv_pool.kv, [kv_pool.layer_view(i) for i in range(kv_pool.config.num_layers)])
 
 
 @dataclass
@@ -179,7 +174,7 @@ class LlamaModel:
             out = decode_attention(q, keys, values, batch.key_mask, self.scale)
         else:
             assert batch.prefill_seqs is not None
-            k_cache, v_cache = kv.layers[index]
+            k_cache, v_cache = kv.layer_pools[index].unbind(1)
             out = prefill_attention(
                 q, new_kv[:, 0], new_kv[:, 1], batch.prefill_seqs, k_cache, v_cache, self.scale,
                 self.config.sliding_window,
