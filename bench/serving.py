@@ -68,6 +68,9 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
 
 
+MAX_PROMPT_DOUBLINGS = 8  # x256 the words: a tokenizer still short of input_len never will be
+
+
 def make_prompts(cfg: BenchConfig) -> list[str]:
     """Deterministic random-word prompts (a vocabulary of made-up words drawn from ``seed``)."""
     rng = random.Random(cfg.seed)
@@ -85,10 +88,15 @@ def _fit_to_tokens(prompt: str, cfg: BenchConfig) -> str:
     path = Path(cfg.tokenizer or "")
     tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
     ids = tok.encode(prompt, add_special_tokens=False).ids
-    while len(ids) < cfg.input_len:  # some tokenizers merge words: pad with more words
+    for _ in range(MAX_PROMPT_DOUBLINGS):  # some tokenizers merge words: pad with more words
+        if len(ids) >= cfg.input_len:
+            return tok.decode(ids[: cfg.input_len])
         prompt = f"{prompt} {prompt}"
         ids = tok.encode(prompt, add_special_tokens=False).ids
-    return tok.decode(ids[: cfg.input_len])
+    raise ValueError(
+        f"{path}: {len(ids)} tokens from {len(prompt)} characters of words; this tokenizer cannot "
+        f"make {cfg.input_len}-token prompts (e.g. a word-level vocabulary without a pre-tokenizer)"
+    )
 
 
 def build_payload(cfg: BenchConfig, prompt: str) -> tuple[str, dict[str, Any]]:

@@ -35,6 +35,21 @@ def test_prompts_are_deterministic_random_words_of_the_asked_length(serving):
     assert other[0] != prompts[0]
 
 
+def test_a_tokenizer_that_cannot_reach_the_input_length_is_an_error_not_a_memory_blowup(
+    serving, tmp_path
+):
+    from tokenizers import Tokenizer, models
+
+    # Word-level vocabulary without a pre-tokenizer: any prompt is one <unk> token.
+    vocab = {"a": 0, "<unk>": 1}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    cfg = serving.BenchConfig(
+        base_url="http://x:1", model="m", input_len=128, num_requests=1, tokenizer=str(tmp_path)
+    )
+    with pytest.raises(ValueError, match="cannot make 128-token prompts"):
+        serving.make_prompts(cfg)
+
+
 def test_payload_asks_for_exact_output_length(serving):
     cfg = serving.BenchConfig(
         base_url="http://x:1", model="m", output_len=7, endpoint="completions"
