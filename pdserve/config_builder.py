@@ -28,6 +28,7 @@ def runner_config_from_args(args: argparse.Namespace) -> RunnerConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        decode_threads=args.decode_threads,
     )
 
 

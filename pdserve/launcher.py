@@ -132,7 +132,7 @@ def stop_cluster(children: list[Child], grace_s: float = 10.0) -> None:
             child.proc.wait()
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__)
     add_model_args(p)
     p.add_argument("--router-port", type=int, default=30000)
@@ -140,11 +140,28 @@ def main(argv: list[str]) -> int:
     p.add_argument("--decode-port", type=int, default=30002)
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--ready-timeout", type=float, default=600.0)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """Every model/engine flag of `pdserve up`, passed on to both workers."""
+    out = ["--dtype", args.dtype, "--page-size", str(args.page_size),
+           "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-prefill-tokens", str(args.max_prefill_tokens)]  # fmt: skip
+    optional = {
+        "--max-model-len": args.max_model_len,
+        "--num-threads": args.num_threads,
+        "--decode-threads": args.decode_threads,  # None is auto, the workers' default
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     model_dir = str(resolve_model_dir(args.model))  # made once, before the children race for it
-    worker_args = ["--dtype", args.dtype, "--page-size", str(args.page_size),
-                   "--kv-cache-mb", str(args.kv_cache_mb)]  # fmt: skip
-    cfg = ClusterConfig(
+    return ClusterConfig(
         model_dir=model_dir,
         served_model_name=args.served_model_name or os.path.basename(model_dir.rstrip("/")),
         router_port=args.router_port,
@@ -152,8 +169,12 @@ def main(argv: list[str]) -> int:
         decode_port=args.decode_port,
         bootstrap_port=args.bootstrap_port,
         ready_timeout_s=args.ready_timeout,
-        extra_worker_args=tuple(worker_args),
+        extra_worker_args=tuple(worker_args(args)),
     )
+
+
+def main(argv: list[str]) -> int:
+    cfg = cluster_config_from_args(parse_args(argv))
     children = start_cluster(cfg)
     try:
         wait_ready(children, cfg.ready_timeout_s)

@@ -30,6 +30,12 @@ from pdserve.model.llama import ForwardBatch, LlamaModel, PagedKV
 from pdserve.model.loader import load_weights
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.sequence import Sequence
+from pdserve.thread_tuning import (
+    CALIBRATION_CONTEXT,
+    ThreadChoice,
+    choose_threads,
+    time_candidates,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +53,9 @@ class RunnerConfig:
     max_prefill_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     device: str = "cpu"
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    num_threads: int | None = None  # torch intra-op threads of prefill; None: torch's default
+    # Threads of decode steps; None: the same as prefill until calibrate_decode_threads() runs.
+    decode_threads: int | None = None
     # Matmuls with at least this many rows run in float32 on float32 weight copies (2x the
     # weight memory again). None: auto (on for bf16 on CPUs without native bf16 GEMM); 0: off.
     fp32_matmul_min_rows: int | None = None
@@ -115,6 +123,9 @@ class ModelRunner:
         self._key_positions = torch.arange(max_keys, device=self.device)
         self._zero_mask_row = torch.zeros(max_keys, dtype=self.dtype, device=self.device)
         self.stats = RunnerStats()
+        self.prefill_threads = config.num_threads or torch.get_num_threads()
+        self.decode_threads = config.decode_threads or self.prefill_threads
+        self._threads_now = torch.get_num_threads()
         logger.info(
             "runner ready: %s, %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d",
             mc.architecture, self.dtype, self.kv_config.num_pages, self.kv_config.page_size,
@@ -152,6 +163,7 @@ class ModelRunner:
         """Compute each sequence's uncached tokens in one packed forward; sample one token each."""
         t0 = time.perf_counter()
         self._check_seqs(seqs, is_decode=False)
+        self._use_threads(self.prefill_threads)
         input_ids, batch, last_rows = self._prefill_batch(seqs)
         t1 = time.perf_counter()
         hidden = self.model.forward(input_ids, batch, self._paged_kv)
@@ -168,6 +180,7 @@ class ModelRunner:
         """One decode step: each sequence's last token (K/V not yet cached) -> one new token."""
         t0 = time.perf_counter()
         self._check_seqs(seqs, is_decode=True)
+        self._use_threads(self.decode_threads)
         input_ids, batch = self._decode_batch(seqs)
         t1 = time.perf_counter()
         logits = self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
@@ -185,9 +198,39 @@ class ModelRunner:
         self.stats.last_step = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
         return t3 - t0
 
+    def _use_threads(self, num_threads: int) -> None:
+        # Per phase: set from the runner thread, which runs every forward (torch's OpenMP
+        # thread count is per calling thread once set).
+        if num_threads != self._threads_now:
+            torch.set_num_threads(num_threads)
+            self._threads_now = num_threads
+
+    def calibrate_decode_threads(self, seqs: list[Sequence]) -> ThreadChoice:
+        """Time decode steps of ``seqs`` (scratch sequences with pages, prefilled here) with one
+        thread and with the prefill threads; keep the choice (see pdserve.thread_tuning)."""
+        self.prefill(seqs)
+        for s in seqs:  # one decode position, recomputed by every timed step
+            s.num_cached_tokens = s.num_tokens
+            s.token_ids.append(s.token_ids[-1])
+        candidates = sorted({1, self.prefill_threads})
+
+        def set_threads(n: int) -> None:
+            self.decode_threads = n
+
+        step_s = time_candidates(lambda: self.decode(seqs), set_threads, candidates)
+        choice = ThreadChoice(choose_threads(step_s), step_s)
+        self.decode_threads = choice.threads
+        return choice
+
+    @property
+    def calibration_tokens(self) -> int:
+        """Tokens (and so pages) each calibration sequence needs, its decode position included."""
+        return min(CALIBRATION_CONTEXT, self.max_model_len - 1) + 1
+
     def prefill_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` at each sequence's last token; writes K/V of new tokens."""
         self._check_seqs(seqs, is_decode=False)
+        self._use_threads(self.prefill_threads)
         input_ids, batch, last_rows = self._prefill_batch(seqs)
         hidden = self.model.forward(input_ids, batch, self._paged_kv)
         return self.model.logits(hidden[last_rows])
@@ -195,6 +238,7 @@ class ModelRunner:
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` after each sequence's last token; writes its K/V."""
         self._check_seqs(seqs, is_decode=True)
+        self._use_threads(self.decode_threads)
         input_ids, batch = self._decode_batch(seqs)
         return self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
 

@@ -51,3 +51,18 @@ def test_a_non_positive_bootstrap_timeout_is_a_usage_error(tmp_path) -> None:
     args = parse("--model", str(tmp_path), "--bootstrap-connect-timeout", "0")
     with pytest.raises(ValueError, match="connect_timeout_s"):
         server_config_from_args(args)
+
+
+def test_decode_threads_default_to_auto_and_a_count_reaches_the_runner_config(tmp_path) -> None:
+    auto = server_config_from_args(parse("--model", str(tmp_path)))
+    assert auto.runner.decode_threads is None  # measured at start-up
+    args = parse("--model", str(tmp_path), "--num-threads", "2", "--decode-threads", "1")
+    runner = server_config_from_args(args).runner
+    assert (runner.num_threads, runner.decode_threads) == (2, 1)
+    assert parse("--decode-threads", "auto").decode_threads is None
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+def test_decode_threads_must_be_auto_or_a_positive_count(value: str) -> None:
+    with pytest.raises(SystemExit):
+        parse("--decode-threads", value)

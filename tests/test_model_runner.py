@@ -184,3 +184,31 @@ def test_kv_pool_is_sized_from_bytes_and_never_reallocated(checkpoint: Path) -> 
     _run(runner, [PageBook().seq("s", _prompt(6, seed=6))], 2)
     assert runner.kv_pool.base_address == address
     assert runner.max_model_len == 256  # the checkpoint's max_position_embeddings
+
+
+def test_decode_thread_calibration_keeps_its_choice_and_tokens_do_not_depend_on_threads(
+    checkpoint: Path,
+) -> None:
+    runner = ModelRunner(
+        RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=128,
+                     num_threads=2)
+    )  # fmt: skip
+    book = PageBook()
+    scratch = [book.seq(f"c{i}", [7] * 20) for i in range(4)]
+    choice = runner.calibrate_decode_threads(scratch)
+    assert set(choice.step_s) == {1, 2} and all(s > 0 for s in choice.step_s.values())
+    assert runner.decode_threads == choice.threads
+    assert runner.prefill_threads == 2
+
+    def greedy_tokens(decode_threads: int) -> list[list[int]]:
+        runner.decode_threads = decode_threads
+        seqs = [book.seq(f"t{decode_threads}-{i}", _prompt(9 + 5 * i, i)) for i in range(3)]
+        out = runner.prefill(seqs).token_ids
+        for _ in range(6):
+            for s, token in zip(seqs, out, strict=True):
+                s.num_cached_tokens = s.num_tokens
+                s.token_ids.append(token)
+            out = runner.decode(seqs).token_ids
+        return [s.generated_ids for s in seqs]
+
+    assert greedy_tokens(1) == greedy_tokens(2)

@@ -198,3 +198,23 @@ async def test_deltas_of_a_step_stream_in_token_order_across_overlapped_steps(ru
         await assert_idle(engine)
     finally:
         await engine.stop()
+
+
+async def test_start_measures_decode_threads_unless_they_are_given(demo_dir, monkeypatch):
+    from pdserve.model_runner import RunnerConfig  # noqa: PLC0415
+
+    auto = ModelRunner(RunnerConfig(str(demo_dir), kv_cache_bytes=16 << 20, num_threads=2))
+    engine = await started(auto)
+    try:
+        assert auto.decode_threads in (1, 2)
+        await assert_idle(engine)  # the scratch sequences gave their pages back
+    finally:
+        await engine.stop()
+    fixed = ModelRunner(
+        RunnerConfig(str(demo_dir), kv_cache_bytes=16 << 20, num_threads=2, decode_threads=2)
+    )
+    calls: list[object] = []
+    monkeypatch.setattr(fixed, "calibrate_decode_threads", calls.append)
+    engine = await started(fixed)
+    await engine.stop()
+    assert calls == [] and fixed.decode_threads == 2

@@ -1,0 +1,33 @@
+"""`pdserve up` passes every model and engine flag it accepts on to both workers."""
+
+from __future__ import annotations
+
+from pdserve.cli import add_serve_args
+from pdserve.launcher import cluster_config_from_args, parse_args
+
+
+def _serve_parse(argv: list[str]):
+    import argparse  # noqa: PLC0415
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(argv)
+
+
+def test_every_worker_flag_given_to_up_reaches_the_workers(tmp_path) -> None:
+    argv = ["--model", str(tmp_path), "--dtype", "float32", "--page-size", "8",
+            "--kv-cache-mb", "32", "--max-num-seqs", "5", "--max-prefill-tokens", "512",
+            "--max-model-len", "256", "--num-threads", "2", "--decode-threads", "1"]  # fmt: skip
+    cfg = cluster_config_from_args(parse_args(argv))
+    worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
+    expected = {"dtype": "float32", "page_size": 8, "kv_cache_mb": 32, "max_num_seqs": 5,
+                "max_prefill_tokens": 512, "max_model_len": 256, "num_threads": 2,
+                "decode_threads": 1}  # fmt: skip
+    assert {k: getattr(worker, k) for k in expected} == expected
+
+
+def test_defaults_leave_thread_counts_to_the_workers(tmp_path) -> None:
+    cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path)]))
+    worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
+    assert worker.num_threads is None and worker.decode_threads is None
+    assert "--num-threads" not in cfg.extra_worker_args
