@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port  # noqa: E402
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
+from pdserve.cli import run_async  # noqa: E402
 from pdserve.model.demo import DemoShape, ensure_demo_model, write_demo_model  # noqa: E402
 
 # Issue 3's reference shapes (Llama, bf16, head_dim 64); the vocabulary comes from the tokenizer
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args.deps = args.deployments.split(",")
     args.configs = args.config.split(",")
     args.conc = [int(c) for c in args.concurrency.split(",")]
-    rows = asyncio.run(run_all(args))
+    rows = run_async(run_all(args))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     errors = sum(r["errors"] or 0 for r in rows)

@@ -7,11 +7,14 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from pdserve.envs import quiet_nixl_logs, read_env
 
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
+T = TypeVar("T")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -128,13 +131,13 @@ def setup_logging(level: str | None) -> None:
     )
 
 
-def run_async(coro: object) -> None:
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on uvloop (on asyncio's own loop where uvloop is missing); its result."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency, but stay usable without
-        asyncio.run(coro)  # type: ignore[arg-type]
-    else:
-        uvloop.run(coro)  # type: ignore[arg-type]
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def _serve(argv: list[str]) -> int:

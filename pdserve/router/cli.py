@@ -9,6 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from pdserve.cli import run_async
 from pdserve.envs import read_env
 from pdserve.router.app import Router
 from pdserve.router.config import POLICY_NAMES, RouterConfig
@@ -103,12 +104,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not (config.prefill_urls or config.decode_urls or config.worker_urls):
         logger.warning("no workers given; add them at run time with POST /workers")
-    try:
-        import uvloop  # noqa: PLC0415 - optional, faster event loop when installed
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config))
+    run_async(serve(config))
     return 0
