@@ -18,6 +18,7 @@ from pdserve.engine.stats import EngineObserver
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
     from pdserve.fsm import RoomTable
+    from pdserve.model_runner import ModelRunner
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
                     5.12, 10.24, 20.48, 40.96, 81.92)  # fmt: skip
@@ -117,6 +118,7 @@ class EngineCollector:
         yield _gauge("pdserve_kv_pages_free", "Free KV cache pages", role, alloc.num_free)
         yield _gauge("pdserve_kv_pages_used", "Used KV cache pages", role, alloc.num_used)
         yield from self._ages(role)
+        yield from _runner_metrics(role, self.engine.runner)
         table = self.rooms()
         if table is not None:
             yield from _room_metrics(role, table)
@@ -141,6 +143,33 @@ def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
     g = GaugeMetricFamily(name, doc, labels=["role"])
     g.add_metric([role], value)
     return g
+
+
+def _runner_metrics(role: str, runner: ModelRunner) -> Iterator[Metric]:
+    """Model steps: rate(step_seconds) is the runner thread's busy fraction; with steps and
+    tokens it gives the mean step time and batch size of each phase."""
+    st = runner.stats
+    per_phase = {
+        "pdserve_model_steps": ("Model forward calls", st.num_prefill_calls, st.num_decode_steps),
+        "pdserve_model_tokens": (
+            "Tokens computed by model forwards", st.num_prefill_tokens, st.num_decode_tokens
+        ),
+        "pdserve_model_step_seconds": (
+            "Time in model forwards (batch building, forward, sampling)",
+            st.prefill_seconds, st.decode_seconds,
+        ),
+    }  # fmt: skip
+    for name, (doc, prefill, decode) in per_phase.items():
+        c = CounterMetricFamily(name, doc, labels=["role", "phase"])
+        c.add_metric([role, "prefill"], prefill)
+        c.add_metric([role, "decode"], decode)
+        yield c
+    g = GaugeMetricFamily(
+        "pdserve_torch_threads", "torch threads per phase", labels=["role", "phase"]
+    )
+    g.add_metric([role, "prefill"], runner.prefill_threads)
+    g.add_metric([role, "decode"], runner.decode_threads)
+    yield g
 
 
 def _room_metrics(role: str, table: RoomTable) -> Iterator[Metric]:

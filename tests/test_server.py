@@ -65,3 +65,35 @@ async def test_embedded_server_serves_http_when_asked(demo_dir: Path):
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
         resp = await client.completions.create(model="pdserve-demo", prompt="Hi", max_tokens=3)
         assert resp.usage.completion_tokens <= 3 and resp.choices[0].finish_reason
+
+
+async def test_model_step_counters_grow_with_generation_and_threads_are_reported(demo_dir: Path):
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    def samples(server: Server) -> dict[tuple[str, str], float]:
+        out = {}
+        for family in text_string_to_metric_families(generate_latest(server.registry).decode()):
+            for s in family.samples:
+                if s.name.startswith(("pdserve_model_", "pdserve_torch_threads")):
+                    out[(s.name, s.labels["phase"])] = s.value
+        return out
+
+    async with Server(config(demo_dir, serve_http=False)) as server:
+        before = samples(server)  # warm-up (and thread calibration) steps are counted too
+        async for _ in server.generate("Hello", max_tokens=6, temperature=0, ignore_eos=True):
+            pass
+        after = samples(server)
+    assert (
+        after[("pdserve_model_steps_total", "prefill")]
+        == before[("pdserve_model_steps_total", "prefill")] + 1
+    )
+    assert (
+        after[("pdserve_model_steps_total", "decode")]
+        >= before[("pdserve_model_steps_total", "decode")] + 5
+    )  # 6 tokens: the first from prefill, 5 decode steps
+    assert (
+        after[("pdserve_model_step_seconds_total", "decode")]
+        > before[("pdserve_model_step_seconds_total", "decode")]
+    )
+    assert after[("pdserve_torch_threads", "prefill")] >= 1
+    assert after[("pdserve_torch_threads", "decode")] >= 1
