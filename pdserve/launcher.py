@@ -119,8 +119,9 @@ def supervise(children: list[Child]) -> int:
 
 
 def stop_cluster(children: list[Child], grace_s: float = 10.0) -> None:
-    # A second Ctrl-C must not interrupt the shutdown and orphan the children.
+    # A second Ctrl-C or SIGTERM must not interrupt the shutdown and orphan the children.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for child in reversed(children):
         if child.proc.poll() is None:
             os.killpg(child.proc.pid, signal.SIGTERM)
@@ -173,8 +174,13 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (kill, a process manager) stops the children like Ctrl-C
+
+
 def main(argv: list[str]) -> int:
     cfg = cluster_config_from_args(parse_args(argv))
+    signal.signal(signal.SIGTERM, _interrupt)
     children = start_cluster(cfg)
     try:
         wait_ready(children, cfg.ready_timeout_s)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.e2e.conftest import READY_TIMEOUT_S, free_port
 
@@ -39,8 +40,9 @@ def _wait_all_closed(ports: list[int], timeout_s: float) -> list[int]:
     return open_ports
 
 
-def test_up_serves_a_chat_completion_and_ctrl_c_stops_every_process(
-    tmp_path: Path, demo_model_dir: Path
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
+def test_up_serves_a_chat_completion_and_ctrl_c_or_sigterm_stops_every_process(
+    tmp_path: Path, demo_model_dir: Path, stop_signal: signal.Signals
 ) -> None:
     ports = {name: free_port() for name in ("router", "prefill", "decode", "bootstrap")}
     log = tmp_path / "up.log"
@@ -61,7 +63,7 @@ def test_up_serves_a_chat_completion_and_ctrl_c_stops_every_process(
         assert reply.choices[0].message.content
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
 
-        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+        os.kill(proc.pid, stop_signal)  # SIGINT is what Ctrl-C sends
         assert proc.wait(timeout=60) == 0
         assert _wait_all_closed(list(ports.values()), timeout_s=30) == []
     finally:  # on failure, let the launcher stop its children (they run in their own sessions)
