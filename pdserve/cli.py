@@ -33,7 +33,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode-threads", type=_threads_or_auto, default=None, metavar="{auto,N}",
         help="torch threads of decode steps; auto (default): 1 unless more are >= 1.3x faster "
-        "in a start-up measurement",
+        "in a start-up measurement (or one thread needs >= 20 ms per step)",
     )  # fmt: skip
 
 

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 # Extra threads must make a decode step this much faster to be worth the cores they take from the
 # rest of the server (the event loop shares the GIL and the cores with the runner thread).
 MIN_THREAD_SPEEDUP = 1.3
+# A step this long on one thread is matmul bound and its threads always pay ("small": 64 ms on one
+# thread, 28 ms on two at batch 8), even when a busy machine at start-up (a peer worker loading its
+# weights) hides the gain from the timing. "tiny" takes ~6 ms: a wide margin on both sides.
+MIN_SINGLE_THREAD_STEP_S = 0.02
 CALIBRATION_BATCH = 8
 CALIBRATION_CONTEXT = 64  # tokens per calibration sequence
 NUM_TRIALS = 5
@@ -33,8 +37,15 @@ class ThreadChoice:
         return f"decode threads {self.threads} (best step: {steps})"
 
 
-def choose_threads(step_s: dict[int, float], min_speedup: float = MIN_THREAD_SPEEDUP) -> int:
-    """The fewest threads such that every larger candidate is less than ``min_speedup`` faster."""
+def choose_threads(
+    step_s: dict[int, float],
+    min_speedup: float = MIN_THREAD_SPEEDUP,
+    min_single_thread_step_s: float = MIN_SINGLE_THREAD_STEP_S,
+) -> int:
+    """All candidate threads when a one-thread step is long; otherwise the fewest threads such
+    that every larger candidate is less than ``min_speedup`` faster."""
+    if step_s.get(1, 0.0) >= min_single_thread_step_s:
+        return max(step_s)
     chosen = min(step_s)
     for threads in sorted(step_s):
         if step_s[chosen] >= step_s[threads] * min_speedup:
