@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test lint format bench
 
-$(STAMP): setup.cfg pyproject.toml pdserve/kernels/csrc/bf16_gemm.cpp
+$(STAMP): setup.cfg pyproject.toml $(wildcard pdserve/kernels/csrc/*.cpp pdserve/kernels/csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch first, so nothing below pulls a multi-GB CUDA wheel.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,bench]'
-	# Compile the bf16 CPU matmul kernel once now, so servers and tests only load it.
+	# Compile the C++ CPU kernels (matmul, decode attention, norms) once now, so servers and tests only load them.
 	$(BIN)/python -m pdserve.kernels.cpu_gemm
 	touch $(STAMP)
 

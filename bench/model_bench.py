@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from pdserve.generate import generate
+from pdserve.kernels import cpu_ext
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
@@ -225,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    kernels = "on" if cpu_ext.load() is not None else "off (torch fallback)"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, prompt "
-          f"{PROMPT_LEN}, new tokens {NEW_TOKENS}; columns: pdserve, transformers")  # fmt: skip
+          f"{PROMPT_LEN}, new tokens {NEW_TOKENS}, C++ CPU kernels {kernels}; "
+          f"columns: pdserve, transformers")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         results = [bench_config(Path(tmp), n, args) for n in args.configs.split(",")]
     if args.json:

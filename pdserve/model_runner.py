@@ -319,7 +319,10 @@ class ModelRunner:
             page_offset=page_offset,
             block_table=data[4 * num_seqs :].view(num_seqs, max_pages),
             context_lens=context_lens,
-            key_mask=self._key_mask(seqs, context_lens, max_pages * page_size),
+            # The C++ decode kernel reads context_lens itself: no mask to build.
+            key_mask=None
+            if self.model.decode_kernel is not None
+            else self._key_mask(seqs, context_lens, max_pages * page_size),
         )
         return input_ids, batch
 

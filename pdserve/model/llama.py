@@ -5,6 +5,12 @@ One implementation, read top to bottom like the paper: embed, then per layer
 Per-architecture differences are data, not code paths: QKV bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), a sliding attention window (Mistral), rope scaling (Llama 3). Projections are fused
 (one QKV and one gate/up matmul per layer).
+
+Where the C++ CPU kernels run (:mod:`pdserve.kernels.cpu_ext`), decode attention reads the page
+pool in place and stores the step's K/V itself (:mod:`pdserve.kernels.paged_decode`), and norms,
+rope, the SiLU gate and each residual add with the norm after it are one kernel each. Without
+them the same math runs in torch (decode K/V copied out of the pages by
+:class:`~pdserve.kernels.decode_context.DecodeContext`, the runner's key mask, SDPA).
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from pdserve.kernels.attention import (
     write_layer_kv,
 )
 from pdserve.kernels.decode_context import DecodeContext
+from pdserve.kernels.elementwise import rope_, silu_mul
 from pdserve.kernels.kv_cache import KVPagePool
 from pdserve.kernels.linear import Linear
-from pdserve.kernels.rmsnorm import rms_norm
-from pdserve.kernels.rope import apply_rope, rope_tables
+from pdserve.kernels.paged_decode import load_kernel, paged_decode_attention
+from pdserve.kernels.rmsnorm import add_rms_norm_, rms_norm
+from pdserve.kernels.rope import rope_tables
 from pdserve.model.config import ModelConfig
 from pdserve.model.weights import LayerWeights, ModelWeights
 
@@ -58,7 +66,8 @@ class ForwardBatch:
     prefill_seqs: list[PrefillSeqMeta] | None = None
     block_table: torch.Tensor | None = None  # (B, max_pages) int64
     context_lens: torch.Tensor | None = None  # (B,) int64, including the new token
-    # (B, max_pages * page_size), bool or additive (see decode_attention); None: all visible
+    # (B, max_pages * page_size), bool or additive (see decode_attention); None: all visible.
+    # Only the torch decode path reads it; the paged kernel derives visibility from the lengths.
     key_mask: torch.Tensor | None = None
 
     @property
@@ -83,6 +92,8 @@ class LlamaModel:
 
     ``fp32_min_rows``: projections with at least this many input rows run in float32 from
     float32 weight copies (see :mod:`pdserve.kernels.linear`); None keeps one copy.
+    ``use_decode_kernel``: decode attention through the paged C++ kernel where it runs;
+    ``decode_kernel`` is None when the torch path is used instead.
     """
 
     def __init__(
@@ -93,11 +104,15 @@ class LlamaModel:
         dtype: torch.dtype,
         device: str = "cpu",
         fp32_min_rows: int | None = None,
+        use_decode_kernel: bool = True,
     ) -> None:
         self.config = config
         self.weights = weights
         self.dtype = dtype
         self.scale = config.head_dim**-0.5
+        self.decode_kernel = (
+            load_kernel(dtype, config.head_dim, device) if use_decode_kernel else None
+        )
         self.layers = [_Layer(w, fp32_min_rows) for w in weights.layers]
         self.lm_head = Linear(weights.lm_head, None, fp32_min_rows)
         self.cos, self.sin = rope_tables(
@@ -116,16 +131,22 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: PagedKV) -> torch.Tensor:
         """Hidden states ``(T, hidden)`` before the final norm; writes the tokens' K/V."""
         eps = self.config.rms_norm_eps
-        h = F.embedding(input_ids, self.weights.embed)
+        h = F.embedding(input_ids, self.weights.embed)  # ours: updated in place below
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         context = None
-        if batch.block_table is not None and batch.context_lens is not None:
+        if batch.is_decode and self.decode_kernel is None:
+            assert batch.block_table is not None and batch.context_lens is not None
             context = DecodeContext(kv.pool, batch.block_table, batch.context_lens)
+        # h += sublayer(x) and the next norm run as one fused add + norm (add_rms_norm_).
+        x = rms_norm(h, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, eps)
-            h += self._attention(i, layer, x, cos, sin, batch, kv, context)  # h is ours: in place
-            x = rms_norm(h, layer.post_norm, eps)
-            h += self._mlp(layer, x)
+            attn = self._attention(i, layer, x, cos, sin, batch, kv, context)
+            x = add_rms_norm_(h, attn, layer.post_norm, eps)
+            mlp = self._mlp(layer, x)
+            if i + 1 < len(self.layers):
+                x = add_rms_norm_(h, mlp, self.layers[i + 1].input_norm, eps)
+            else:
+                h += mlp  # the final norm runs in logits(), on the rows that need it
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -149,11 +170,10 @@ class LlamaModel:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = rms_norm(heads[:, :num_heads], layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(heads[:, num_heads : num_heads + num_kv], layer.k_norm, cfg.rms_norm_eps)
-            apply_rope(k, cos, sin, out=kv[:, 0])
-            return apply_rope(q, cos, sin), kv
+            rope_(kv[:, 0].copy_(k), cos, sin)
+            return rope_(q, cos, sin), kv
         # q and k are adjacent heads of the fused output: rotate them in one go, in place.
-        qk = heads[:, : num_heads + num_kv]
-        apply_rope(qk, cos, sin, out=qk)
+        rope_(heads[:, : num_heads + num_kv], cos, sin)
         return heads[:, :num_heads], kv
 
     def _attention(
@@ -168,6 +188,14 @@ class LlamaModel:
         context: DecodeContext | None,
     ) -> torch.Tensor:
         q, new_kv = self._qkv(layer, x, cos, sin)
+        if batch.is_decode and self.decode_kernel is not None:
+            assert batch.block_table is not None and batch.context_lens is not None
+            # The kernel stores the new K/V into their slots itself (no separate indexed write).
+            out = paged_decode_attention(
+                self.decode_kernel, q, kv.layer_pools[index], batch.block_table,
+                batch.context_lens, self.scale, self.config.sliding_window, new_kv,
+            )  # fmt: skip
+            return layer.o_proj(out.reshape(x.shape[0], self.config.q_size))
         write_layer_kv(kv.layer_pools[index], batch.page_idx, batch.page_offset, new_kv)
         if context is not None:
             keys, values = context.layer(index, new_kv)
@@ -183,5 +211,4 @@ class LlamaModel:
 
     @staticmethod
     def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return layer.down(F.silu(gate).mul_(up))
+        return layer.down(silu_mul(layer.gate_up(x)))

@@ -1,10 +1,13 @@
-"""RMSNorm equals the formula, computed in float32 even for bfloat16 inputs."""
+"""RMSNorm equals the formula (float32 statistics even for bf16); the fused kernels equal torch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-from pdserve.kernels.rmsnorm import add_rms_norm, rms_norm
+from pdserve.kernels import cpu_ext
+from pdserve.kernels.rmsnorm import add_rms_norm, add_rms_norm_, rms_norm
 
 
 def test_rms_norm_matches_formula() -> None:
@@ -28,3 +31,60 @@ def test_add_rms_norm_returns_the_new_residual() -> None:
     normed, residual = add_rms_norm(x, r, w, 1e-6)
     torch.testing.assert_close(residual, x + r)
     torch.testing.assert_close(normed, rms_norm(x + r, w, 1e-6))
+
+
+kernel = cpu_ext.load()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel needs AVX2 and a C++ compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1024), (8, 256), (300, 200), (5, 3)])
+def test_kernel_matches_torch_rms_norm(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(shape[0] * shape[1])
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    w = torch.randn(shape[1], generator=gen).to(dtype)
+    assert kernel is not None
+    out = kernel.rms_norm(x, w, 1e-5)
+    expected = F.rms_norm(x, (shape[1],), w, 1e-5)
+    assert out.dtype == dtype
+    # float32 sums in another order; bf16 may differ by one rounding step at most.
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
+    torch.testing.assert_close(out, expected, **tol)
+
+
+@needs_kernel
+def test_per_head_norm_of_a_strided_projection_slice() -> None:
+    """Qwen3's q_norm: rows are (token, head) pairs of a view inside the fused QKV output."""
+    fused = torch.randn(6, 4 + 2 * 2, 32).bfloat16()
+    q = fused[:, :4]  # (T, heads, head_dim), not contiguous
+    w = torch.randn(32).bfloat16()
+    out = rms_norm(q, w, 1e-6)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, F.rms_norm(q, (32,), w, 1e-6), atol=0, rtol=8e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_updates_the_residual_in_place_like_the_two_step_form(
+    dtype: torch.dtype,
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(7, 264, generator=gen).to(dtype)
+    x = torch.randn(7, 264, generator=gen).to(dtype)
+    w = torch.randn(264, generator=gen).to(dtype)
+    expected_h = h + x  # torch's add rounds to dtype, as the kernel must
+    expected = F.rms_norm(expected_h, (264,), w, 1e-6)
+    storage = h.data_ptr()
+    out = add_rms_norm_(h, x, w, 1e-6)
+    assert h.data_ptr() == storage and torch.equal(h, expected_h)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
+    torch.testing.assert_close(out, expected, **tol)
+
+
+def test_fused_add_falls_back_to_torch_for_other_dtypes() -> None:
+    h, x, w = torch.randn(3, 16).half(), torch.randn(3, 16).half(), torch.ones(16).half()
+    expected_h = h + x
+    out = add_rms_norm_(h, x, w, 1e-6)
+    assert torch.equal(h, expected_h)
+    torch.testing.assert_close(out, F.rms_norm(expected_h, (16,), w, 1e-6))

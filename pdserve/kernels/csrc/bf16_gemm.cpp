@@ -4,33 +4,20 @@
 // per row; here each weight is read from memory once per call for all rows, converted to float32
 // in registers, and accumulated in float32. Weights are packed once into panels of 16 output
 // columns, (ceil(N/16), K, 16), so the inner loop reads memory strictly sequentially and
-// broadcasts one input value per FMA pair. Threads split the panels (at::parallel_for, torch's
-// own OpenMP pool).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
+// broadcasts one input value per FMA pair. Within a panel row the 16 columns are interleaved
+// (0, 8, 1, 9, ..., 7, 15): one 32-byte load holds column i in the low and column i + 8 in the
+// high half of 32-bit lane i, so a shift and a mask widen both halves (no cross-lane shuffles).
+// Threads split the panels (at::parallel_for, torch's own OpenMP pool).
 #include <cstring>
-#include <optional>
 #include <type_traits>
+#include <vector>
 
+#include "cpu_ext.h"
+
+namespace pdserve {
 namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per packed panel (two AVX2 vectors)
-
-inline __m256 bf16x8(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// Round-to-nearest-even float32 -> bfloat16 for 8 values (NaN not special-cased: inputs are finite).
-inline __m128i to_bf16x8(__m256 v) {
-  __m256i b = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  b = _mm256_srli_epi32(b, 16);
-  __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-  return _mm_packus_epi32(lo, hi);
-}
 
 template <typename Out>
 inline void store16(Out* y, __m256 a, __m256 b, int64_t n) {
@@ -66,10 +53,13 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t K
                        const float* bias16, Out* y, int64_t ldy, int64_t n) {
   static_assert(MR >= 1 && MR <= 6);
   const __m256 z = _mm256_setzero_ps();
+  const __m256i high_halves = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z;
   __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = bf16x8(w + k * kPanel), w1 = bf16x8(w + k * kPanel + 8);
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kPanel));
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(wv, high_halves));
 #define PD_ROW(i)                                                 \
     if constexpr (MR > i) {                                       \
       const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);     \
@@ -85,6 +75,15 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t K
 #undef PD_FINISH
 }
 
+// Panel p's 16 bias values (zero-padded) in `bias16`; nullptr without a bias.
+inline const float* panel_bias(const float* bias, int64_t N, int64_t p, float* bias16) {
+  if (bias == nullptr) return nullptr;
+  const int64_t col = p * kPanel, n = std::min(kPanel, N - col);
+  std::memset(bias16, 0, kPanel * sizeof(float));
+  std::memcpy(bias16, bias + col, n * sizeof(float));
+  return bias16;
+}
+
 template <typename Out>
 void run(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, const float* bias,
          Out* y) {
@@ -93,9 +92,8 @@ void run(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, co
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* w = wp + p * K * kPanel;
       const int64_t col = p * kPanel, n = std::min(kPanel, N - col);
-      alignas(32) float bias16[kPanel] = {0};
-      if (bias != nullptr) std::memcpy(bias16, bias + col, n * sizeof(float));
-      const float* b = bias != nullptr ? bias16 : nullptr;
+      alignas(32) float bias16[kPanel];
+      const float* b = panel_bias(bias, N, p, bias16);
       // Balanced row groups of at most 6 (8 rows -> 4 + 4, not 6 + 2): small groups are
       // FMA-latency bound, so no group should be much smaller than the others.
       const int64_t groups = (M + 5) / 6;
@@ -117,40 +115,66 @@ void run(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, co
   });
 }
 
+// The rows as contiguous float32: a pointer into x when it already is, else a copy in `buf`.
+// A decode step's rows are a few KB, so converting here costs less than dispatching torch's
+// conversion operator (about 15 us per projection on the 2-core test machine).
+const float* float_rows(const at::Tensor& x, std::vector<float>& buf) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear: float32 or bf16 rows");
+  buf.resize(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    float* dst = buf.data() + m * K;
+    if (x.scalar_type() == at::kFloat) {
+      const float* src = x.data_ptr<float>() + m * x.stride(0);
+      for (int64_t k = 0; k < K; ++k) dst[k] = src[k * x.stride(1)];
+      continue;
+    }
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr()) + m * x.stride(0);
+    int64_t k = 0;
+    if (x.stride(1) == 1)
+      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, bf16x8(src + k));
+    for (; k < K; ++k) dst[k] = load1(src + k * x.stride(1));
+  }
+  return buf.data();
+}
+
 }  // namespace
 
-// (N, K) bf16 -> (ceil(N/16), K, 16) bf16, zero-padded columns.
-torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kBFloat16);
+// (N, K) bf16 -> (ceil(N/16), K, 16) bf16, zero-padded columns, each row of 16 interleaved as
+// (0, 8, 1, 9, ..., 7, 15).
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == at::kBFloat16);
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto padded = torch::zeros({panels * kPanel, K}, w.options());
+  auto padded = at::zeros({panels * kPanel, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
+  // (panel, half, i, k) -> (panel, k, i, half): slot 2i + half holds column 8 * half + i.
+  return padded.view({panels, 2, kPanel / 2, K}).permute({0, 3, 2, 1}).contiguous().view(
+      {panels, K, kPanel});
 }
 
 // x (M, K) float32 or bf16; packed from pack(); bias float32 (N) or None -> (M, N) of out_dtype.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
-                     std::optional<torch::Tensor> bias, c10::ScalarType out_dtype) {
-  TORCH_CHECK(x.dim() == 2 && packed.dtype() == torch::kBFloat16 && packed.is_contiguous());
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                  const std::optional<at::Tensor>& bias, c10::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && packed.dtype() == at::kBFloat16 && packed.is_contiguous());
+  std::vector<float> buf;
+  const float* xf = float_rows(x, buf);
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(1) == K && packed.size(0) * kPanel >= N);
   const float* bp = nullptr;
-  torch::Tensor bf;
-  if (bias.has_value()) { bf = bias->to(torch::kFloat32).contiguous(); bp = bf.data_ptr<float>(); }
-  auto y = torch::empty({M, N}, xf.options().dtype(out_dtype));
+  at::Tensor bf;
+  if (bias.has_value()) { bf = bias->to(at::kFloat).contiguous(); bp = bf.data_ptr<float>(); }
+  auto y = at::empty({M, N}, x.options().dtype(out_dtype));
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  if (out_dtype == torch::kFloat32) {
-    run<float>(xf.data_ptr<float>(), M, K, wp, N, bp, y.data_ptr<float>());
+  if (out_dtype == at::kFloat) {
+    run<float>(xf, M, K, wp, N, bp, y.data_ptr<float>());
   } else {
-    TORCH_CHECK(out_dtype == torch::kBFloat16);
-    run<uint16_t>(xf.data_ptr<float>(), M, K, wp, N, bp,
+    TORCH_CHECK(out_dtype == at::kBFloat16);
+    run<uint16_t>(xf, M, K, wp, N, bp,
                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
   }
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack);
-  m.def("linear", &linear);
-}
+}  // namespace pdserve

@@ -1,0 +1,19 @@
+// The Python module of the C++ CPU kernels. Every call releases the GIL while it computes, so
+// the server's event-loop thread keeps running during a forward pass (torch's own operators
+// release it too).
+#include <torch/extension.h>
+
+#include "cpu_ext.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("pack", &pdserve::pack, no_gil);
+  m.def("linear", &pdserve::linear, no_gil);
+  m.def("paged_decode_attention", &pdserve::paged_decode_attention, no_gil);
+  m.def("rope_", &pdserve::rope_, no_gil);
+  m.def("silu_mul", &pdserve::silu_mul, no_gil);
+  m.def("rms_norm", &pdserve::rms_norm, no_gil);
+  m.def("add_rms_norm_", &pdserve::add_rms_norm_, no_gil);
+}
