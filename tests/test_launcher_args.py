@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from pdserve.cli import add_serve_args
-from pdserve.launcher import cluster_config_from_args, parse_args
+from pdserve.launcher import cluster_config_from_args, parse_args, shared_host_prefill_threads
 
 
 def _serve_parse(argv: list[str]):
@@ -26,8 +30,20 @@ def test_every_worker_flag_given_to_up_reaches_the_workers(tmp_path) -> None:
     assert {k: getattr(worker, k) for k in expected} == expected
 
 
-def test_defaults_leave_thread_counts_to_the_workers(tmp_path) -> None:
+def test_by_default_decode_measures_its_threads_and_prefill_gets_half_the_cores(tmp_path) -> None:
     cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path)]))
-    worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
-    assert worker.num_threads is None and worker.decode_threads is None
-    assert "--num-threads" not in cfg.extra_worker_args
+    decode = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
+    assert decode.num_threads is None and decode.decode_threads is None
+    prefill = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args, *cfg.prefill_args])
+    assert prefill.num_threads == shared_host_prefill_threads(len(os.sched_getaffinity(0)))
+
+
+def test_a_given_thread_count_reaches_both_workers_unchanged(tmp_path) -> None:
+    cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path), "--num-threads", "3"]))
+    assert cfg.prefill_args == ()
+    assert _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args]).num_threads == 3
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (8, 4), (64, 32)])
+def test_prefill_share_is_half_the_cores_and_at_least_one(cores: int, threads: int) -> None:
+    assert shared_host_prefill_threads(cores) == threads
