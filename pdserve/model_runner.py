@@ -125,7 +125,6 @@ class ModelRunner:
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
-        self._threads_now = torch.get_num_threads()
         logger.info(
             "runner ready: %s, %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d",
             mc.architecture, self.dtype, self.kv_config.num_pages, self.kv_config.page_size,
@@ -198,12 +197,12 @@ class ModelRunner:
         self.stats.last_step = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
         return t3 - t0
 
-    def _use_threads(self, num_threads: int) -> None:
-        # Per phase: set from the runner thread, which runs every forward (torch's OpenMP
-        # thread count is per calling thread once set).
-        if num_threads != self._threads_now:
+    @staticmethod
+    def _use_threads(num_threads: int) -> None:
+        # Per phase, from the thread that runs the forward (torch's OpenMP thread count is per
+        # calling thread once set); read back each time, as other runners may share the process.
+        if torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
-            self._threads_now = num_threads
 
     def calibrate_decode_threads(self, seqs: list[Sequence]) -> ThreadChoice:
         """Time decode steps of ``seqs`` (scratch sequences with pages, prefilled here) with one
