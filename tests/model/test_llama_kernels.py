@@ -44,12 +44,15 @@ def _torch_path(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rmsnorm, "_kernel_for", lambda x, weight: None)
 
 
-def test_demo_model_greedy_tokens_equal_on_both_paths(
-    demo_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    runner = ModelRunner(RunnerConfig(str(demo_dir), dtype="float32", page_size=4, num_pages=64))
+def _kernel_runner(model_dir: Path, dtype: str) -> ModelRunner:
+    runner = ModelRunner(RunnerConfig(str(model_dir), dtype=dtype, page_size=4, num_pages=64))
     if runner.model.decode_kernel is None:
         pytest.skip("the C++ kernels do not run here")
+    return runner
+
+
+def _assert_float32_paths_agree(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = _kernel_runner(model_dir, "float32")
     fast_tokens, fast_logits = _decode(runner, NUM_STEPS)
     _torch_path(runner, monkeypatch)
     torch_tokens, torch_logits = _decode(runner, NUM_STEPS)
@@ -57,14 +60,18 @@ def test_demo_model_greedy_tokens_equal_on_both_paths(
     torch.testing.assert_close(fast_logits, torch_logits, atol=1e-4, rtol=0)
 
 
+def test_demo_model_greedy_tokens_equal_on_both_paths(
+    demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _assert_float32_paths_agree(demo_dir, monkeypatch)
+
+
 def test_demo_model_bfloat16_logits_agree_on_both_paths(
     demo_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 rounds differently on the two paths (the kernel rounds once, SDPA more often), so
     a random model's near-ties can flip greedy picks: both paths are fed the same tokens."""
-    runner = ModelRunner(RunnerConfig(str(demo_dir), dtype="bfloat16", page_size=4, num_pages=64))
-    if runner.model.decode_kernel is None:
-        pytest.skip("the C++ kernels do not run here")
+    runner = _kernel_runner(demo_dir, "bfloat16")
     tokens, fast_logits = _decode(runner, NUM_STEPS)
     _torch_path(runner, monkeypatch)
     _, torch_logits = _decode(runner, NUM_STEPS, forced=tokens)
@@ -81,12 +88,4 @@ def test_sliding_window_model_decodes_the_same_on_both_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mistral (window 24): contexts grow past the window while decoding."""
-    path = write_checkpoint(tmp_path / "mistral", "mistral")
-    runner = ModelRunner(RunnerConfig(str(path), dtype="float32", page_size=4, num_pages=64))
-    if runner.model.decode_kernel is None:
-        pytest.skip("the C++ kernels do not run here")
-    fast_tokens, fast_logits = _decode(runner, NUM_STEPS)
-    _torch_path(runner, monkeypatch)
-    torch_tokens, torch_logits = _decode(runner, NUM_STEPS)
-    assert fast_tokens == torch_tokens
-    torch.testing.assert_close(fast_logits, torch_logits, atol=1e-4, rtol=0)
+    _assert_float32_paths_agree(write_checkpoint(tmp_path / "mistral", "mistral"), monkeypatch)
