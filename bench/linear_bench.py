@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_gemm
+from pdserve.kernels import cpu_ext, cpu_gemm
 
 SMALL_SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 8 + [(32000, 1024)]
 
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    module = cpu_gemm.load()
+    module = cpu_ext.load()
     if module is None:
         raise SystemExit("the bf16 kernel is unavailable here (needs AVX2 and a C++ compiler)")
     weights = [torch.randn(n, k).bfloat16() for n, k in SMALL_SHAPES]

@@ -15,11 +15,6 @@ import torch
 from pdserve.kernels import cpu_ext
 
 
-def load() -> types.ModuleType | None:
-    """The compiled CPU kernel module, or None where it cannot run here (use torch)."""
-    return cpu_ext.load()
-
-
 class PackedBF16Weight:
     """A ``(N, K)`` bf16 weight packed for the kernel; call it on ``(M, K)`` rows."""
 
@@ -46,11 +41,11 @@ def pack_for_kernel(weight: torch.Tensor) -> PackedBF16Weight | None:
     """Packs a CPU bf16 weight when the kernel runs here, else None (use torch)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
-    module = load()
+    module = cpu_ext.load()
     return PackedBF16Weight(module, weight) if module is not None else None
 
 
 if __name__ == "__main__":  # `python -m pdserve.kernels.cpu_gemm`: build ahead of time
     logging.basicConfig(level=logging.INFO)
     where = cpu_ext.library_path(cpu_ext.default_cache_dir())
-    print(f"C++ CPU kernels: {'ready at ' + str(where) if load() else 'unavailable'}")
+    print(f"C++ CPU kernels: {'ready at ' + str(where) if cpu_ext.load() else 'unavailable'}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_gemm
+from pdserve.kernels import cpu_ext, cpu_gemm
 
 
 class Linear:
@@ -83,7 +83,7 @@ def auto_fp32_min_rows(device: torch.device, dtype: torch.dtype) -> int | None:
     """Where many-row projections should switch to float32 copies; None: never (no copies)."""
     if dtype != torch.bfloat16 or has_fast_bf16_matmul(device):
         return None
-    return FP32_MIN_ROWS_VS_KERNEL if cpu_gemm.load() is not None else FP32_MIN_ROWS_VS_TORCH_BF16
+    return FP32_MIN_ROWS_VS_KERNEL if cpu_ext.load() is not None else FP32_MIN_ROWS_VS_TORCH_BF16
 
 
 def has_fast_bf16_matmul(device: torch.device) -> bool:

@@ -42,14 +42,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add followed by RMSNorm; returns ``(normed, new_residual)`` (inputs untouched)."""
-    residual = residual + x
-    return rms_norm(residual, weight, eps), residual
-
-
 def add_rms_norm_(
     residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

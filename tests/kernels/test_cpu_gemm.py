@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_gemm
+from pdserve.kernels import cpu_ext, cpu_gemm
 
-module = cpu_gemm.load()
+module = cpu_ext.load()
 pytestmark = pytest.mark.skipif(module is None, reason="kernel needs AVX2 and a C++ compiler")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_gemm
+from pdserve.kernels import cpu_ext
 from pdserve.kernels.linear import Linear
 
 
@@ -54,5 +54,5 @@ def test_packed_float32_path_matches_plain_float32_gemm_for_any_leading_shape() 
 
 def test_kernel_is_used_for_bf16_weights_where_the_cpu_supports_it() -> None:
     lin = Linear(torch.randn(16, 8, dtype=torch.bfloat16))
-    assert (lin.kernel is not None) == (cpu_gemm.load() is not None)
+    assert (lin.kernel is not None) == (cpu_ext.load() is not None)
     assert Linear(torch.randn(16, 8)).kernel is None  # float32 weights: torch is fine
