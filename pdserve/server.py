@@ -7,7 +7,6 @@ async with Server(ServerConfig(role="colocated", model_dir=...)) as server:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.protocol import GenerateOutput, GenerateRequest
+from pdserve.engine.runner_thread import RunnerThread
 from pdserve.metrics import EngineCollector, PrometheusObserver
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
@@ -72,9 +72,18 @@ class Server:
 
     async def start(self) -> None:
         cfg = self.config
-        runner = await asyncio.to_thread(ModelRunner, cfg.runner)  # weight loading off the loop
+        # The model loads on the thread that will run its steps (see engine/runner_thread.py).
+        runner_thread = RunnerThread()
+        try:
+            runner = await runner_thread.submit(ModelRunner, cfg.runner)
+        except BaseException:
+            await runner_thread.stop()
+            raise
         observer = PrometheusObserver(cfg.role, self.registry)
-        engine = Engine(cfg.engine, runner, incarnation=self.incarnation, observer=observer)
+        engine = Engine(
+            cfg.engine, runner, incarnation=self.incarnation, observer=observer,
+            runner_thread=runner_thread,
+        )  # fmt: skip
         self.engine = engine
         await self._start_transport(engine, runner)
         self.registry.register(EngineCollector(engine, self._room_table, self._transport_stats))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 
+from pdserve import server as server_module
 from pdserve.engine.config import EngineConfig
 from pdserve.model.demo import write_demo_model
-from pdserve.model_runner import RunnerConfig
+from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.server import Server, ServerConfig
 
 
@@ -97,3 +99,26 @@ async def test_model_step_counters_grow_with_generation_and_threads_are_reported
     )
     assert after[("pdserve_torch_threads", "prefill")] >= 1
     assert after[("pdserve_torch_threads", "decode")] >= 1
+
+
+async def test_model_loads_on_the_thread_that_runs_its_steps(
+    demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # One thread does all torch work: a second OpenMP team slows every step (runner_thread.py).
+    threads = {}
+
+    class RecordingRunner(ModelRunner):
+        def __init__(self, config: RunnerConfig) -> None:
+            threads["load"] = threading.current_thread().name
+            super().__init__(config)
+
+        def decode(self, seqs):  # type: ignore[no-untyped-def]
+            threads["decode"] = threading.current_thread().name
+            return super().decode(seqs)
+
+    monkeypatch.setattr(server_module, "ModelRunner", RecordingRunner)
+    async with Server(config(demo_dir, serve_http=False)) as server:
+        async for _ in server.generate("Hello", max_tokens=3, ignore_eos=True):
+            pass
+    assert threads["load"] == threads["decode"] == "pdserve-runner"
+    assert threads["load"] != threading.current_thread().name

@@ -50,6 +50,7 @@ class Engine:
         *,
         incarnation: str,
         observer: EngineObserver | None = None,
+        runner_thread: RunnerThread | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -66,7 +67,7 @@ class Engine:
             incarnation=incarnation,
         )
         self._requests: dict[str, Request] = {}
-        self._runner_thread = RunnerThread()
+        self._runner_thread = runner_thread or RunnerThread()  # the one that loaded the model
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stepping = False

@@ -11,6 +11,7 @@ NIXL notifications (``DataNotifMsg`` attached to the WRITE itself, ``AbortNotifM
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from dataclasses import asdict, dataclass
@@ -438,3 +439,15 @@ def page_checksum(kv: torch.Tensor, page_ids: list[int]) -> int:
     sums = flat.view(word).sum(dim=1, dtype=torch.int64)
     weights = torch.arange(1, len(page_ids) + 1, dtype=torch.int64, device=kv.device) * 0x9E3779B1
     return int((sums * weights).sum().item()) & _CHECKSUM_MASK
+
+
+async def page_checksum_off_loop(kv: torch.Tensor, page_ids: list[int]) -> int:
+    """:func:`page_checksum` on an executor thread (torch releases the GIL), on one torch thread
+    there: a second OpenMP thread team in the process would slow every model step (see
+    pdserve/engine/runner_thread.py)."""
+
+    def one_thread() -> int:
+        torch.set_num_threads(1)  # this thread's own OpenMP setting; the runner's is unchanged
+        return page_checksum(kv, page_ids)
+
+    return await asyncio.to_thread(one_thread)

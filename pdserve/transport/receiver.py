@@ -51,7 +51,7 @@ from pdserve.transport.messages import (
     RegisterMsg,
     RoomMsg,
     decode_notif,
-    page_checksum,
+    page_checksum_off_loop,
 )
 from pdserve.transport.nixl_agent import KVAgent
 
@@ -528,7 +528,7 @@ class KVReceiver:
             self._fail(room, "transfer_error: checksum missing (sender has checksum off)")
             return
         pages = room.page_ids[: msg.num_pages]
-        checksum = await asyncio.to_thread(page_checksum, self.pool.kv, pages)
+        checksum = await page_checksum_off_loop(self.pool.kv, pages)
         if not self._is_live(room):
             return
         if checksum != msg.checksum:

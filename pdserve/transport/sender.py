@@ -47,7 +47,7 @@ from pdserve.transport.messages import (
     RegisterReplyMsg,
     RoomMsg,
     encode,
-    page_checksum,
+    page_checksum_off_loop,
 )
 from pdserve.transport.nixl_agent import KVAgent, PoolDescriptor, TransferError
 
@@ -386,8 +386,8 @@ class KVSender:
         self, room: Room, chunk: int, is_last: bool, num_pages: int
     ) -> DataNotifMsg:
         checksum = None
-        if is_last and self.config.checksum:  # torch releases the GIL: keep it off the loop
-            checksum = await asyncio.to_thread(page_checksum, self.pool.kv, room.page_ids)
+        if is_last and self.config.checksum:
+            checksum = await page_checksum_off_loop(self.pool.kv, room.page_ids)
         return DataNotifMsg(
             room_id=room.room_id,
             nonce=room.data["nonce"],

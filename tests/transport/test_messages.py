@@ -26,6 +26,7 @@ from pdserve.transport.messages import (
     decode_notif,
     encode,
     page_checksum,
+    page_checksum_off_loop,
 )
 
 DESC = PoolDescMsg(base_address=0x7F0000000000, page_bytes=4096, num_pages=64)
@@ -159,3 +160,10 @@ def test_page_checksum_sees_content_order_and_page_choice() -> None:
     kv[2, 0, 0, 0, 0, 0] += 1
     assert page_checksum(kv, [1, 2, 3]) != base
     assert 0 <= base < 1 << 63
+
+
+async def test_page_checksum_off_loop_matches_and_keeps_the_callers_threads() -> None:
+    kv = torch.randn(6, 2, 2, 4, 2, 8).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    assert await page_checksum_off_loop(kv, [3, 0, 5]) == page_checksum(kv, [3, 0, 5])
+    assert torch.get_num_threads() == threads
