@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port  # noqa: E402
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
 from pdserve.cli import run_async  # noqa: E402
-from pdserve.launcher import shared_host_prefill_threads  # noqa: E402
 from pdserve.model.demo import DemoShape, ensure_demo_model, write_demo_model  # noqa: E402
 
 # Issue 3's reference shapes (Llama, bf16, head_dim 64); the vocabulary comes from the tokenizer
@@ -72,13 +70,13 @@ async def bench_pd(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]
     spec = ClusterSpec(model_dir=str(model_dir), served_model_name="bench",
                        worker_args=PERF_ARGS, router_args=())  # fmt: skip
     cluster = Cluster(spec)
-    prefill_threads = args.prefill_threads or shared_host_prefill_threads(
-        len(os.sched_getaffinity(0))
-    )  # as `pdserve up` sets it: both workers share this machine
+    # As `pdserve up` runs them: both workers share this machine's cores and take turns.
+    lease = ("--cpu-lease", str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "cpu-lease"))
+    lease_args = lease if args.cpu_lease else ()
     for proc in cluster.prefills:
-        proc.extra_args = _role_args(prefill_threads)
+        proc.extra_args = _role_args(args.prefill_threads) + lease_args
     for proc in cluster.decodes:
-        proc.extra_args = _role_args(args.decode_threads)
+        proc.extra_args = _role_args(args.decode_threads) + lease_args
     async with cluster:
         return {c: await serve_load(cluster.router.url, model_dir, args, c) for c in args.conc}
 
@@ -195,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deployments", default="pd,colocated,transformers")
     p.add_argument(
         "--prefill-threads", type=int, default=None,
-        help="torch threads, PD prefill (default: half the cores, as pdserve up)",
+        help="torch threads, PD prefill (default: all cores, as pdserve up)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cpu-lease", action=argparse.BooleanOptionalAction, default=True,
+        help="PD workers take turns at the cores (as pdserve up)",
     )  # fmt: skip
     p.add_argument("--decode-threads", type=int, default=None, help="torch threads, PD decode")
     p.add_argument("--colocated-threads", type=int, default=None)

@@ -63,6 +63,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")
     p.add_argument(
+        "--cpu-lease", default=None, metavar="FILE",
+        help="workers on one machine given the same file take turns running model steps, each "
+        "on all its threads (pdserve up sets it for its prefill and decode workers)",
+    )  # fmt: skip
+    p.add_argument(
         "--fault-plan",
         default=None,
         metavar="JSON",

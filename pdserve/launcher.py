@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +26,8 @@ class ClusterConfig:
     bootstrap_port: int = 8998
     ready_timeout_s: float = 600.0
     extra_worker_args: tuple[str, ...] = ()  # both workers
-    prefill_args: tuple[str, ...] = ()  # the prefill worker only (its default thread share)
+    # Both workers share this machine's cores: their model steps take turns (engine/cpu_lease.py).
+    cpu_lease_path: str | None = None
 
 
 @dataclass
@@ -51,21 +53,27 @@ def _spawn(name: str, argv: list[str], url: str) -> Child:
     return Child(name, url, argv, _popen(name, argv))
 
 
-def start_cluster(cfg: ClusterConfig) -> list[Child]:
+def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
+    """(name, `pdserve` argv, url) of the prefill, decode and router processes."""
     host = "127.0.0.1"
     common = ["--model", cfg.model_dir, "--served-model-name", cfg.served_model_name,
               *cfg.extra_worker_args]  # fmt: skip
+    if cfg.cpu_lease_path:
+        common += ["--cpu-lease", cfg.cpu_lease_path]
     prefill_url = f"http://{host}:{cfg.prefill_port}"
     decode_url = f"http://{host}:{cfg.decode_port}"
     return [
-        _spawn("prefill", ["serve", "--role", "prefill", "--port", str(cfg.prefill_port),
-                           "--bootstrap-port", str(cfg.bootstrap_port), *common,
-                           *cfg.prefill_args], prefill_url),
-        _spawn("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common],
-               decode_url),
-        _spawn("router", ["router", "--port", str(cfg.router_port), "--prefill", prefill_url,
-                          "--decode", decode_url], f"http://{host}:{cfg.router_port}"),
+        ("prefill", ["serve", "--role", "prefill", "--port", str(cfg.prefill_port),
+                     "--bootstrap-port", str(cfg.bootstrap_port), *common], prefill_url),
+        ("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common],
+         decode_url),
+        ("router", ["router", "--port", str(cfg.router_port), "--prefill", prefill_url,
+                    "--decode", decode_url], f"http://{host}:{cfg.router_port}"),
     ]  # fmt: skip
+
+
+def start_cluster(cfg: ClusterConfig) -> list[Child]:
+    return [_spawn(name, argv, url) for name, argv, url in child_specs(cfg)]
 
 
 def is_ready(url: str) -> bool:
@@ -143,6 +151,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-port", type=int, default=30002)
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--cpu-lease", action=argparse.BooleanOptionalAction, default=True,
+        help="the two workers take turns at this machine's cores for model steps, each with all "
+        "its threads (off: they compute at once; then split the cores with --num-threads)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -162,23 +175,6 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def shared_host_prefill_threads(num_cores: int) -> int:
-    """The prefill worker's torch threads when both workers share this machine's cores.
-
-    Prefill runs in bursts, decode steps run all the time: a prefill with every core makes the
-    decode's threads wait at their barriers for cores it holds (on 2 cores, "tiny" PD served
-    1116 tok/s at concurrency 8 with 1 prefill thread vs 924 with 2; "small" 144 vs 151, within
-    noise). Half the cores bounds that interference; decode keeps all of them and measures.
-    """
-    return max(1, num_cores // 2)
-
-
-def prefill_args(args: argparse.Namespace, num_cores: int) -> list[str]:
-    if args.num_threads is not None:
-        return []  # the user's --num-threads reaches both workers
-    return ["--num-threads", str(shared_host_prefill_threads(num_cores))]
-
-
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     model_dir = str(resolve_model_dir(args.model))  # made once, before the children race for it
     return ClusterConfig(
@@ -190,8 +186,13 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         bootstrap_port=args.bootstrap_port,
         ready_timeout_s=args.ready_timeout,
         extra_worker_args=tuple(worker_args(args)),
-        prefill_args=tuple(prefill_args(args, len(os.sched_getaffinity(0)))),
+        cpu_lease_path=default_lease_path(args.router_port) if args.cpu_lease else None,
     )
+
+
+def default_lease_path(router_port: int) -> str:
+    """One lease per cluster (its router port), kept across worker restarts."""
+    return os.path.join(tempfile.gettempdir(), f"pdserve-up-{router_port}.cpu-lease")
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -16,6 +16,7 @@ from pdserve.engine.request import Request, RequestState
 from pdserve.engine.stats import EngineObserver
 
 if TYPE_CHECKING:
+    from pdserve.engine.cpu_lease import LeaseStats
     from pdserve.engine.engine import Engine
     from pdserve.fsm import RoomTable
     from pdserve.model_runner import ModelRunner
@@ -119,6 +120,9 @@ class EngineCollector:
         yield _gauge("pdserve_kv_pages_used", "Used KV cache pages", role, alloc.num_used)
         yield from self._ages(role)
         yield from _runner_metrics(role, self.engine.runner)
+        lease = self.engine.cpu_lease
+        if lease is not None:
+            yield from _lease_metrics(role, lease.stats)
         table = self.rooms()
         if table is not None:
             yield from _room_metrics(role, table)
@@ -170,6 +174,23 @@ def _runner_metrics(role: str, runner: ModelRunner) -> Iterator[Metric]:
     g.add_metric([role, "prefill"], runner.prefill_threads)
     g.add_metric([role, "decode"], runner.decode_threads)
     yield g
+
+
+def _lease_metrics(role: str, st: LeaseStats) -> Iterator[Metric]:
+    """Turns at cores shared with other workers: rate(wait_seconds) is the step-time fraction
+    spent waiting for them; timeouts count steps that ran without the lease."""
+    per_name = {
+        "pdserve_cpu_lease_wait_seconds": ("Time model steps waited for the CPU lease",
+                                           st.wait_seconds),
+        "pdserve_cpu_lease_contended_steps": ("Model steps that waited for the CPU lease",
+                                              st.contended),
+        "pdserve_cpu_lease_timeouts": ("Model steps run without the CPU lease after its timeout",
+                                       st.timeouts),
+    }  # fmt: skip
+    for name, (doc, value) in per_name.items():
+        c = CounterMetricFamily(name, doc, labels=["role"])
+        c.add_metric([role], value)
+        yield c
 
 
 def _room_metrics(role: str, table: RoomTable) -> Iterator[Metric]:

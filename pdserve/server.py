@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.api.app import build_app, start_http
 from pdserve.api.config import ApiConfig
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.engine import Engine
 from pdserve.engine.handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.protocol import GenerateOutput, GenerateRequest
@@ -40,6 +41,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     serve_http: bool = True
+    # Workers given the same file take turns at the cores for model steps (engine/cpu_lease.py).
+    cpu_lease_path: str | None = None
 
     @property
     def role(self) -> str:
@@ -73,7 +76,8 @@ class Server:
     async def start(self) -> None:
         cfg = self.config
         # The model loads on the thread that will run its steps (see engine/runner_thread.py).
-        runner_thread = RunnerThread()
+        lease = CpuLease(cfg.cpu_lease_path) if cfg.cpu_lease_path else None
+        runner_thread = RunnerThread(lease=lease)
         try:
             runner = await runner_thread.submit(ModelRunner, cfg.runner)
         except BaseException:

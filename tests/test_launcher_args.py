@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
 from pdserve.cli import add_serve_args
-from pdserve.launcher import cluster_config_from_args, parse_args, shared_host_prefill_threads
+from pdserve.launcher import child_specs, cluster_config_from_args, parse_args
 
 
 def _serve_parse(argv: list[str]):
@@ -30,20 +26,23 @@ def test_every_worker_flag_given_to_up_reaches_the_workers(tmp_path) -> None:
     assert {k: getattr(worker, k) for k in expected} == expected
 
 
-def test_by_default_decode_measures_its_threads_and_prefill_gets_half_the_cores(tmp_path) -> None:
+def test_by_default_workers_measure_their_threads_and_share_one_cpu_lease(tmp_path) -> None:
     cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path)]))
-    decode = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
-    assert decode.num_threads is None and decode.decode_threads is None
-    prefill = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args, *cfg.prefill_args])
-    assert prefill.num_threads == shared_host_prefill_threads(len(os.sched_getaffinity(0)))
+    assert cfg.cpu_lease_path
+    workers = [argv for name, argv, _ in child_specs(cfg) if name != "router"]
+    assert len(workers) == 2
+    for argv in workers:
+        worker = _serve_parse(argv[1:])
+        assert worker.num_threads is None and worker.decode_threads is None
+        assert worker.cpu_lease == cfg.cpu_lease_path
+
+
+def test_no_cpu_lease_lets_the_workers_compute_at_once(tmp_path) -> None:
+    cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path), "--no-cpu-lease"]))
+    assert cfg.cpu_lease_path is None
+    assert all("--cpu-lease" not in argv for _, argv, _ in child_specs(cfg))
 
 
 def test_a_given_thread_count_reaches_both_workers_unchanged(tmp_path) -> None:
     cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path), "--num-threads", "3"]))
-    assert cfg.prefill_args == ()
     assert _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args]).num_threads == 3
-
-
-@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (8, 4), (64, 32)])
-def test_prefill_share_is_half_the_cores_and_at_least_one(cores: int, threads: int) -> None:
-    assert shared_host_prefill_threads(cores) == threads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -122,3 +123,36 @@ async def test_model_loads_on_the_thread_that_runs_its_steps(
             pass
     assert threads["load"] == threads["decode"] == "pdserve-runner"
     assert threads["load"] != threading.current_thread().name
+
+
+async def test_two_servers_sharing_a_cpu_lease_take_turns_and_report_it(
+    demo_dir: Path, tmp_path: Path
+):
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    lease = str(tmp_path / "cpu-lease")
+    async with (
+        Server(config(demo_dir, serve_http=False, cpu_lease_path=lease)) as a,
+        Server(config(demo_dir, serve_http=False, cpu_lease_path=lease)) as b,
+    ):
+
+        async def run(server: Server) -> int:
+            outs = [o async for o in server.generate("Hello", max_tokens=8, ignore_eos=True)]
+            return sum(len(o.token_ids) for o in outs)
+
+        assert await asyncio.gather(run(a), run(b)) == [8, 8]
+        text = generate_latest(a.registry).decode()
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("pdserve_cpu_lease_")
+    }
+    assert set(values) == {
+        "pdserve_cpu_lease_wait_seconds_total",
+        "pdserve_cpu_lease_contended_steps_total",
+        "pdserve_cpu_lease_timeouts_total",
+    }
+    assert values["pdserve_cpu_lease_timeouts_total"] == 0
+    assert a.engine is not None and a.engine.cpu_lease is not None
+    assert a.engine.cpu_lease.stats.acquired > 8  # load, warm-up and every step held it

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.output import OutputState
 from pdserve.engine.protocol import (
     EngineError,
@@ -99,6 +100,11 @@ class Engine:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         await self._runner_thread.stop()
+
+    @property
+    def cpu_lease(self) -> CpuLease | None:
+        """The lease this engine's steps take turns with (None: the cores are its own)."""
+        return self._runner_thread.lease
 
     def is_ready(self) -> bool:
         return self._ready and self._loop_task is not None and not self._loop_task.done()

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pdserve.engine.cpu_lease import CpuLease
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -30,9 +32,14 @@ _STOP = object()
 
 
 class RunnerThread:
-    """Runs submitted calls one at a time, in submission order, on a dedicated thread."""
+    """Runs submitted calls one at a time, in submission order, on a dedicated thread.
 
-    def __init__(self, name: str = "pdserve-runner") -> None:
+    ``lease``: each call runs holding it (workers that share the cores take turns); the thread
+    owns it and closes it on :meth:`stop`.
+    """
+
+    def __init__(self, name: str = "pdserve-runner", lease: CpuLease | None = None) -> None:
+        self.lease = lease
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._is_started = False
@@ -55,12 +62,14 @@ class RunnerThread:
         if self._is_stopped:
             return
         self._is_stopped = True
-        if not self._is_started:
-            return
-        self._jobs.put(_STOP)
-        await asyncio.to_thread(self._thread.join, timeout_s)
-        if self._thread.is_alive():
-            logger.warning("runner thread still busy %.0fs after stop", timeout_s)
+        if self._is_started:
+            self._jobs.put(_STOP)
+            await asyncio.to_thread(self._thread.join, timeout_s)
+            if self._thread.is_alive():
+                logger.warning("runner thread still busy %.0fs after stop", timeout_s)
+                return  # it may still hold the lease: leave it to the process's exit
+        if self.lease is not None:
+            await asyncio.to_thread(self.lease.close)
 
     def _work(self) -> None:
         while True:
@@ -68,10 +77,14 @@ class RunnerThread:
             if job is _STOP:
                 return
             fn, arg, fut, loop = job
+            if self.lease is not None:
+                self.lease.acquire()  # bounded; on timeout the step runs without it
             try:
                 result, error = fn(arg), None
             except BaseException as exc:  # handed to the awaiting coroutine, which decides
                 result, error = None, exc
+            if self.lease is not None:
+                self.lease.release()
             try:
                 loop.call_soon_threadsafe(_resolve, fut, result, error)
             except RuntimeError:  # the loop closed while this step ran: nobody is waiting
