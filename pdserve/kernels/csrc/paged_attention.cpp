@@ -23,6 +23,18 @@ namespace {
 constexpr int64_t kMinParallelMacs = 1 << 20;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 4;  // query heads processed together per pass over the keys
+// Rows ahead to prefetch. A step's weights stream through the caches between two layers'
+// attention, so keys and values come from memory, one scattered 64-512-byte row at a time,
+// which the hardware prefetcher does not follow. The qk pass prefetches the values too, so the
+// pv pass finds them in cache ("small", batch 8, 190 keys: 256 -> 160-190 us per layer).
+constexpr int64_t kPrefetchRows = 16;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+    _mm_prefetch(p + b, _MM_HINT_T0);
+}
 
 template <typename T>
 struct Problem {
@@ -54,9 +66,13 @@ inline void reduce(const __m256* acc, float* out) {
 // Scores of NG query heads (qf: NG rows of D, pre-scaled float32) against the keys at
 // `rows` (element offsets of each key in the pool), into scores[g * stride + j].
 template <int NG, typename T>
-void qk(const float* qf, const T* keys, const int64_t* rows, int64_t n, int64_t D,
-        float* scores, int64_t stride) {
+void qk(const float* qf, const T* keys, const T* values, const int64_t* rows, int64_t n,
+        int64_t D, float* scores, int64_t stride) {
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetchRows < n) {
+      prefetch_row(keys + rows[j + kPrefetchRows], D);
+      prefetch_row(values + rows[j + kPrefetchRows], D);
+    }
     const T* k = keys + rows[j];
     __m256 acc[NG];
     for (int g = 0; g < NG; ++g) acc[g] = _mm256_setzero_ps();
@@ -124,7 +140,7 @@ void head_group(const Problem<T>& P, int64_t b, int64_t h0, int64_t kvh, const i
   }
   scores.assign(NG * padded, -std::numeric_limits<float>::infinity());
   const T* layer = P.pool + kvh * P.p_head;
-  qk<NG>(qf, layer, rows, n, D, scores.data(), padded);
+  qk<NG>(qf, layer, layer + P.p_kv, rows, n, D, scores.data(), padded);
   float inv_sum[NG];
   for (int g = 0; g < NG; ++g)
     inv_sum[g] = 1.0f / softmax_numerators(scores.data() + g * padded, padded);
