@@ -191,8 +191,9 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
 
 def default_lease_path(router_port: int) -> str:
-    """One lease per cluster (its router port), kept across worker restarts."""
-    return os.path.join(tempfile.gettempdir(), f"pdserve-up-{router_port}.cpu-lease")
+    """One lease per user and cluster (its router port), kept across worker restarts."""
+    name = f"pdserve-up-{os.getuid()}-{router_port}.cpu-lease"
+    return os.path.join(tempfile.gettempdir(), name)
 
 
 def _interrupt(signum: int, frame: object) -> None:
