@@ -77,14 +77,14 @@ class RunnerThread:
             if job is _STOP:
                 return
             fn, arg, fut, loop = job
-            if self.lease is not None:
-                self.lease.acquire()  # bounded; on timeout the step runs without it
             try:
+                if self.lease is not None:
+                    self.lease.acquire()  # bounded; on timeout the step runs without it
                 result, error = fn(arg), None
             except BaseException as exc:  # handed to the awaiting coroutine, which decides
                 result, error = None, exc
             if self.lease is not None:
-                self.lease.release()
+                self.lease.release()  # a no-op when it was not taken
             try:
                 loop.call_soon_threadsafe(_resolve, fut, result, error)
             except RuntimeError:  # the loop closed while this step ran: nobody is waiting
