@@ -71,8 +71,9 @@ async def bench_pd(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]
                        worker_args=PERF_ARGS, router_args=())  # fmt: skip
     cluster = Cluster(spec)
     # As `pdserve up` runs them: both workers share this machine's cores and take turns.
-    lease = ("--cpu-lease", str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "cpu-lease"))
-    lease_args = lease if args.cpu_lease else ()
+    lease_args: tuple[str, ...] = ()
+    if args.cpu_lease:
+        lease_args = ("--cpu-lease", str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "lease"))
     for proc in cluster.prefills:
         proc.extra_args = _role_args(args.prefill_threads) + lease_args
     for proc in cluster.decodes:
