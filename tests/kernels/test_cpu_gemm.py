@@ -69,3 +69,15 @@ def test_strided_rows_give_the_same_result_as_contiguous_ones(dtype: torch.dtype
     assert torch.equal(packed(wide[:, 3:27], None, torch.float32), contiguous)
     tall = wide[:, 3:27].t().contiguous().t()  # column-major rows
     assert torch.equal(packed(tall, None, torch.float32), contiguous)
+
+
+def test_packed_weights_start_on_a_huge_page_and_outlive_their_source() -> None:
+    """Packed weights get memory of their own, 2 MiB aligned so the OS can back it with huge
+    pages; it stays valid after the source weight is gone and is unmapped when freed."""
+    w = torch.randn(300, 256).bfloat16()
+    expected = _packed(w)(torch.ones(1, 256), None, torch.float32)
+    packed = _packed(w.clone())
+    assert packed.packed.data_ptr() % (2 << 20) == 0
+    for _ in range(50):  # repeated packs and frees: each mapping is returned, none reused wrongly
+        _packed(torch.randn(300, 256).bfloat16())
+    assert torch.equal(packed(torch.ones(1, 256), None, torch.float32), expected)
