@@ -163,10 +163,13 @@ void item(const Problem<T>& P, int64_t b, int64_t kvh, std::vector<int64_t>& row
     std::memcpy(slot + P.p_kv, src + P.n_kv, P.head_dim * sizeof(T));
   }
   rows.resize(n);
-  for (int64_t j = 0; j < n; ++j) {  // element offset of key j's K row (V is p_kv further)
-    const int64_t pos = start + j;
-    const int64_t page = P.table[b * P.table_stride + pos / P.page_size];
-    rows[j] = page * P.p_page + (pos % P.page_size) * P.p_token;
+  // Element offset of key j's K row (V is p_kv further), walking pages and slots without a
+  // division per key (two integer divisions per key were ~40% of a "small" item's time).
+  const int64_t* pages = P.table + b * P.table_stride;
+  int64_t page = start / P.page_size, slot = start % P.page_size;
+  for (int64_t j = 0; j < n; ++j) {
+    rows[j] = pages[page] * P.p_page + slot * P.p_token;
+    if (++slot == P.page_size) slot = 0, ++page;
   }
   const int64_t group = P.num_heads / P.num_kv_heads;
   for (int64_t g = 0; g < group;) {
