@@ -73,10 +73,9 @@ class Linear:
 
 # Row counts from which float32 (oneDNN) beats the bf16 alternatives, on the 2-core AVX2 EPYC,
 # "small" model projections, 2 threads (bench/linear_bench.py): torch's bf16 matmul ties with
-# float32 at 8 rows; the packed bf16 kernel is 2.9x float32 at 1 row, 1.5x at 8, 1.1x at 32-64
-# and ties at ~96.
-FP32_MIN_ROWS_VS_TORCH_BF16 = 8
-FP32_MIN_ROWS_VS_KERNEL = 64
+# float32 at 8 rows; the packed bf16 kernel (with its session-5 prefetching and huge pages) is
+# 5-20% faster than float32 at 48-96 rows, ties at 128-256 and falls behind from ~256 (medians).
+FP32_MIN_ROWS_VS_KERNEL = 128
 
 
 def auto_fp32_min_rows(device: torch.device, dtype: torch.dtype) -> int | None:
