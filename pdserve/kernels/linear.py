@@ -75,6 +75,7 @@ class Linear:
 # "small" model projections, 2 threads (bench/linear_bench.py): torch's bf16 matmul ties with
 # float32 at 8 rows; the packed bf16 kernel (with its session-5 prefetching and huge pages) is
 # 5-20% faster than float32 at 48-96 rows, ties at 128-256 and falls behind from ~256 (medians).
+FP32_MIN_ROWS_VS_TORCH_BF16 = 8
 FP32_MIN_ROWS_VS_KERNEL = 128
 
 

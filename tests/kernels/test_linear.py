@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ext
+from pdserve.kernels import cpu_ext, linear
 from pdserve.kernels.linear import Linear
 
 
@@ -56,3 +57,18 @@ def test_kernel_is_used_for_bf16_weights_where_the_cpu_supports_it() -> None:
     lin = Linear(torch.randn(16, 8, dtype=torch.bfloat16))
     assert (lin.kernel is not None) == (cpu_ext.load() is not None)
     assert Linear(torch.randn(16, 8)).kernel is None  # float32 weights: torch is fine
+
+
+def test_float32_switch_depends_on_whether_the_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on an AVX2 CPU switches to float32 copies later with the kernel than with torch's
+    bf16 matmul; float32 models and CPUs with native bf16 GEMM never make copies."""
+    cpu = torch.device("cpu")
+    assert linear.auto_fp32_min_rows(cpu, torch.float32) is None
+    if linear.has_fast_bf16_matmul(cpu):
+        assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) is None
+        return
+    monkeypatch.setattr(linear.cpu_ext, "load", lambda: None)
+    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) == linear.FP32_MIN_ROWS_VS_TORCH_BF16
+    monkeypatch.setattr(linear.cpu_ext, "load", lambda: object())
+    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) == linear.FP32_MIN_ROWS_VS_KERNEL
+    assert linear.FP32_MIN_ROWS_VS_TORCH_BF16 < linear.FP32_MIN_ROWS_VS_KERNEL
