@@ -140,9 +140,9 @@ std::vector<RowGroup> row_groups(const at::Tensor& x, std::vector<float>& buf) {
   const int64_t M = x.size(0), K = x.size(1), num_groups = (M + 5) / 6;
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "linear: float32 or bf16 rows");
-  std::vector<RowGroup> groups;
   if (M == 1 && x.scalar_type() == at::kFloat && x.stride(1) == 1)
     return {RowGroup{0, 1, x.data_ptr<float>()}};
+  std::vector<RowGroup> groups;
   buf.resize(M * K);
   for (int64_t g = 0, m = 0; g < num_groups; ++g) {
     const int64_t rows = (M - m + (num_groups - g) - 1) / (num_groups - g);
@@ -219,10 +219,10 @@ at::Tensor pack(const at::Tensor& w) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                   const std::optional<at::Tensor>& bias, c10::ScalarType out_dtype) {
   TORCH_CHECK(x.dim() == 2 && packed.dtype() == at::kBFloat16 && packed.is_contiguous());
-  std::vector<float> buf;
-  const std::vector<RowGroup> groups = row_groups(x, buf);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(1) == K && packed.size(0) * kPanel >= N);
+  std::vector<float> buf;
+  const std::vector<RowGroup> groups = row_groups(x, buf);
   const float* bp = nullptr;
   at::Tensor bf;
   if (bias.has_value()) { bf = bias->to(at::kFloat).contiguous(); bp = bf.data_ptr<float>(); }
