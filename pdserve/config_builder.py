@@ -20,6 +20,7 @@ DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30001}
 
 def runner_config_from_args(args: argparse.Namespace) -> RunnerConfig:
     return RunnerConfig(
+        prefills_prompts=args.role != "decode",
         model_dir=str(resolve_model_dir(args.model or read_env().model_dir)),
         dtype=args.dtype,
         page_size=args.page_size,

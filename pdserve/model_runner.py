@@ -59,6 +59,9 @@ class RunnerConfig:
     # Matmuls with at least this many rows run in float32 on float32 weight copies (2x the
     # weight memory again). None: auto (on for bf16 on CPUs without native bf16 GEMM); 0: off.
     fp32_matmul_min_rows: int | None = None
+    # False for a worker that never prefills prompts (the decode role): auto then makes no
+    # float32 copies where the bf16 kernel runs (see auto_fp32_min_rows).
+    prefills_prompts: bool = True
 
 
 @dataclass
@@ -146,7 +149,7 @@ class ModelRunner:
     def _fp32_min_rows(self) -> int | None:
         rows = self.config.fp32_matmul_min_rows
         if rows is None:
-            return auto_fp32_min_rows(self.device, self.dtype)
+            return auto_fp32_min_rows(self.device, self.dtype, self.config.prefills_prompts)
         return rows or None
 
     def _max_model_len(self, mc: ModelConfig) -> int:

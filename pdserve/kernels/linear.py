@@ -79,11 +79,21 @@ FP32_MIN_ROWS_VS_TORCH_BF16 = 8
 FP32_MIN_ROWS_VS_KERNEL = 128
 
 
-def auto_fp32_min_rows(device: torch.device, dtype: torch.dtype) -> int | None:
-    """Where many-row projections should switch to float32 copies; None: never (no copies)."""
+def auto_fp32_min_rows(
+    device: torch.device, dtype: torch.dtype, prefills_prompts: bool = True
+) -> int | None:
+    """Where many-row projections should switch to float32 copies; None: never (no copies).
+
+    A worker that never prefills prompts (the decode role) makes none where the kernel runs:
+    its batches are decode steps of at most max_num_seqs rows, and rare preemption recomputes,
+    which the kernel runs at the same speed up to ~256 rows and ~10% slower beyond; the copies
+    would double the weights' memory for nothing.
+    """
     if dtype != torch.bfloat16 or has_fast_bf16_matmul(device):
         return None
-    return FP32_MIN_ROWS_VS_KERNEL if cpu_ext.load() is not None else FP32_MIN_ROWS_VS_TORCH_BF16
+    if cpu_ext.load() is None:
+        return FP32_MIN_ROWS_VS_TORCH_BF16
+    return FP32_MIN_ROWS_VS_KERNEL if prefills_prompts else None
 
 
 def has_fast_bf16_matmul(device: torch.device) -> bool:

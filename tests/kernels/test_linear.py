@@ -61,14 +61,19 @@ def test_kernel_is_used_for_bf16_weights_where_the_cpu_supports_it() -> None:
 
 def test_float32_switch_depends_on_whether_the_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 on an AVX2 CPU switches to float32 copies later with the kernel than with torch's
-    bf16 matmul; float32 models and CPUs with native bf16 GEMM never make copies."""
+    bf16 matmul, and a decode-only worker with the kernel makes none; float32 models and CPUs
+    with native bf16 GEMM never make copies."""
     cpu = torch.device("cpu")
     assert linear.auto_fp32_min_rows(cpu, torch.float32) is None
     if linear.has_fast_bf16_matmul(cpu):
         assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) is None
         return
     monkeypatch.setattr(linear.cpu_ext, "load", lambda: None)
-    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) == linear.FP32_MIN_ROWS_VS_TORCH_BF16
+    without_kernel = linear.FP32_MIN_ROWS_VS_TORCH_BF16
+    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) == without_kernel
+    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16, prefills_prompts=False) == without_kernel
     monkeypatch.setattr(linear.cpu_ext, "load", lambda: object())
     assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) == linear.FP32_MIN_ROWS_VS_KERNEL
     assert linear.FP32_MIN_ROWS_VS_TORCH_BF16 < linear.FP32_MIN_ROWS_VS_KERNEL
+    # A decode-only worker with the kernel: no copies (its batches stay below the switch).
+    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16, prefills_prompts=False) is None
