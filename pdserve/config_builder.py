@@ -20,7 +20,6 @@ DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30001}
 
 def runner_config_from_args(args: argparse.Namespace) -> RunnerConfig:
     return RunnerConfig(
-        prefills_prompts=args.role != "decode",
         model_dir=str(resolve_model_dir(args.model or read_env().model_dir)),
         dtype=args.dtype,
         page_size=args.page_size,
@@ -30,6 +29,7 @@ def runner_config_from_args(args: argparse.Namespace) -> RunnerConfig:
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         decode_threads=args.decode_threads,
+        prefills_prompts=args.role != "decode",
     )
 
 
