@@ -1,12 +1,16 @@
-"""PD vs colocated vs a plain `transformers` loop, side by side in one run, on one checkpoint.
+"""PD vs colocated vs a plain `transformers` loop (and vLLM), side by side in one run.
 
     python bench/pd_compare.py --config small --concurrency 1,8 --num-requests 16
+    python bench/pd_compare.py ... --vllm-python /path/to/venv/bin/python  # adds vLLM
 
 For each deployment (the PD cluster: router + prefill + decode; one colocated worker) it runs
 bench/serving.py's load (exact 128-token prompts, 128 output tokens, ignore_eos) at each
 concurrency, one deployment at a time so they never share the 2 cores; then `transformers`
 ``generate`` on the same weights with batches of the same size. It prints throughput and TTFT
 with ratios, and the vLLM CPU anchor figures from issue 4 for reference (measured there, not here).
+With ``--vllm-python`` (an environment where vLLM is installed, see bench/vllm_ref.py) vLLM
+serves the same checkpoint and load in the same run, and every row gets its ratio to it: the
+fair comparison on a shared machine whose speed drifts with its neighbours' load.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port  # noqa: E402
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
+from bench.vllm_ref import VllmServer  # noqa: E402
 from pdserve.cli import run_async  # noqa: E402
 from pdserve.model.demo import DemoShape, ensure_demo_model, write_demo_model  # noqa: E402
 
@@ -99,6 +104,13 @@ async def bench_colocated(model_dir: Path, args: argparse.Namespace) -> dict[int
             await asyncio.to_thread(proc.stop)
 
 
+async def bench_vllm(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
+    server = VllmServer(args.vllm_python, model_dir, free_port())
+    print(f"vLLM: starting ({server.log_path})", flush=True)
+    async with server:
+        return {c: await serve_load(server.url, model_dir, args, c) for c in args.conc}
+
+
 def bench_transformers(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
     """`model.generate` on batches of `concurrency` prompts: the plain-loop baseline."""
     import torch
@@ -141,11 +153,12 @@ def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> l
     rows = []
     print(f"\n== {name}: {conc} concurrency, tok/s = output tokens per second ==")
     print(f"{'deployment':<14}{'conc':>5}{'tok/s':>10}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
-          f"{'x colocated':>13}{'x transformers':>16}{'vLLM tok/s':>12}")  # fmt: skip
+          f"{'x colocated':>13}{'x transformers':>16}{'x vLLM':>8}{'vLLM anchor':>13}")  # fmt: skip
     for c in conc:
         base = _metric(results.get("colocated", {}).get(c, {}), "output_throughput")
         hf = _metric(results.get("transformers", {}).get(c, {}), "output_throughput")
-        for dep in ("pd", "colocated", "transformers"):
+        ref = _metric(results.get("vllm", {}).get(c, {}), "output_throughput")
+        for dep in ("pd", "colocated", "vllm", "transformers"):
             if dep not in results:
                 continue
             s = results[dep][c]
@@ -155,12 +168,13 @@ def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> l
                    "tpot_p50_ms": _metric(s, "tpot_ms", "p50"),
                    "x_colocated": tps / base if base else None,
                    "x_transformers": tps / hf if hf else None,
+                   "x_vllm": tps / ref if ref else None,
                    "errors": s.get("num_errors", 0)}  # fmt: skip
             rows.append(row)
             print(f"{dep:<14}{c:>5}{tps:>10.1f}{row['ttft_p50_ms'] or 0:>13.1f}"
                   f"{row['tpot_p50_ms'] or 0:>13.2f}{row['x_colocated'] or 0:>13.2f}"
-                  f"{row['x_transformers'] or 0:>16.2f}"
-                  f"{VLLM_ANCHOR_TOK_S.get((name, c), '-'):>12}")  # fmt: skip
+                  f"{row['x_transformers'] or 0:>16.2f}{row['x_vllm'] or 0:>8.2f}"
+                  f"{VLLM_ANCHOR_TOK_S.get((name, c), '-'):>13}")  # fmt: skip
     return rows
 
 
@@ -174,6 +188,8 @@ async def run_all(args: argparse.Namespace) -> list[dict]:
                 results["pd"] = await bench_pd(model_dir, args)
             if "colocated" in args.deps:
                 results["colocated"] = await bench_colocated(model_dir, args)
+            if args.vllm_python:
+                results["vllm"] = await bench_vllm(model_dir, args)
             if "transformers" in args.deps:
                 results["transformers"] = await asyncio.to_thread(
                     bench_transformers, model_dir, args
@@ -202,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--decode-threads", type=int, default=None, help="torch threads, PD decode")
     p.add_argument("--colocated-threads", type=int, default=None)
+    p.add_argument(
+        "--vllm-python", default=None,
+        help="python of an environment with vLLM: serve the same load with it too",
+    )  # fmt: skip
     args = p.parse_args(argv)
     args.deps = args.deployments.split(",")
     args.configs = args.config.split(",")
@@ -214,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         [r["x_colocated"] or 0 for r in rows if r["deployment"] == "pd"] or [0.0]
     )
     print(f"\nrequests that failed: {errors}; median PD/colocated throughput: {pd_ratio:.2f}")
+    for dep in ("pd", "colocated"):
+        vs = [r["x_vllm"] for r in rows if r["deployment"] == dep and r["x_vllm"]]
+        if vs:
+            print(f"{dep} / vLLM throughput, same run: " + ", ".join(f"{v:.2f}" for v in vs))
     return 1 if errors else 0
 
 

@@ -4,10 +4,11 @@ Why one thread: NIXL 1.5.1's own progress thread spins a core while idle and cut
 agents are created with ``enable_prog_thread=False`` and progress is ours to drive. Every NIXL call
 (creation, registration, peers, transfers, polling) happens on this thread, so the agent can use
 ``NIXL_THREAD_SYNC_NONE``. The thread polls adaptively (see :class:`KVAgentConfig`): 50 us
-while transfers are outstanding, 200 us just after activity (a burst of rooms), 1 ms for a second
-after that (or while :meth:`KVAgent.keep_warm` asks), then 5 ms (~1% of a core in a VM). A
-command from the loop wakes it at once. The polling (``get_new_notifs``) is also what keeps a
-receiving agent progressing: without it, writes into it stall.
+while transfers are outstanding, 200 us just after activity (a burst of rooms), 1 ms shortly
+after that and for as long as a receiver holds it warm (:meth:`KVAgent.hold_warm`: rooms expect
+writes), else 50 ms. A command from the loop wakes it at once. The polling (``get_new_notifs``)
+is also what keeps a receiving agent progressing: without it, writes into it stall; with nothing
+expected, polling only costs the model's threads (each wake-up preempts one of them).
 
 The event loop never calls NIXL: it queues commands (closures) and gets results back through
 ``loop.call_soon_threadsafe``. Loop-side state (peers, outstanding counts, stats) has the loop as
@@ -143,9 +144,12 @@ class KVAgentConfig:
     busy_wait_s: float = 0.00005  # transfers outstanding (PROC): tight
     hot_wait_s: float = 0.0002  # activity within hot_window_s (a burst of rooms)
     hot_window_s: float = 0.01
-    idle_wait_s: float = 0.001  # activity within warm_window_s, or keep_warm() asked for it
-    warm_window_s: float = 1.0
-    cold_wait_s: float = 0.005  # nothing for a while: a notification waits <= 5 ms
+    idle_wait_s: float = 0.001  # activity within warm_window_s, or hold_warm() holds
+    warm_window_s: float = 0.05
+    # Nothing outstanding or expected: a stray notification (a late abort) waits <= 50 ms. At
+    # 5 ms, a decode worker's agent woke ~500 times a second during decoding, preempting the
+    # step's threads: decode steps were ~10% slower than colocated ones (docs/benchmarks.md).
+    cold_wait_s: float = 0.05
     start_timeout_s: float = 30.0  # agent creation takes ~0.5 s (UCX init)
     op_timeout_s: float = 10.0  # add_peer / remove_peer / send_notif
     write_timeout_s: float = 60.0  # safety net; room deadlines normally fire first
@@ -223,13 +227,14 @@ class KVAgent:
         self._inflight: list[_Xfer] = []
         self._zombies: list[Any] = []  # handles whose release failed (kept off the GC's threads)
         self._stop_at: float | None = None
+        self._num_polls = 0  # rounds of the serve loop (read, racily, by debug_dict)
         # the hand-off: a deque is safe for one producer (loop) and one consumer (thread)
         self._cmds: deque[_Cmd] = deque()
         # held = no wake pending; the loop releases it to wake the thread (a futex, no Python
         # Condition: the idle wait is the hottest line of an idle process)
         self._wake = threading.Lock()
         self._wake.acquire()
-        self._warm_until = 0.0  # written by the loop (keep_warm), read by the thread
+        self._num_warm_holds = 0  # written by the loop (hold_warm/release_warm), read by the thread
 
     # -- lifecycle (loop side) -------------------------------------------------------------------
 
@@ -413,13 +418,17 @@ class KVAgent:
         except OSError:  # the thread ended in between
             return 0.0
 
-    def keep_warm(self, duration_s: float) -> None:
-        """Poll at ``idle_wait_s`` (not ``cold_wait_s``) for the next ``duration_s`` seconds.
+    def hold_warm(self) -> None:
+        """Poll at ``idle_wait_s`` at least until the matching :meth:`release_warm`.
 
-        A receiver calls it while it expects writes (rooms waiting for input), so their
-        notifications are seen within ~1 ms even after a long quiet spell.
+        A receiver holds it per room that expects writes: they need its polling to progress,
+        and their notifications are then seen within ~1 ms even after a quiet spell.
         """
-        self._warm_until = max(self._warm_until, time.monotonic() + duration_s)
+        self._num_warm_holds += 1
+        self._wake_thread()
+
+    def release_warm(self) -> None:
+        self._num_warm_holds = max(0, self._num_warm_holds - 1)
 
     def debug_dict(self) -> dict[str, Any]:
         """A JSON-able snapshot for /debug endpoints."""
@@ -428,6 +437,8 @@ class KVAgent:
             "peers": list(self._peers),
             "outstanding": dict(self._outstanding),
             "closing": self._is_closing,
+            "warm_holds": self._num_warm_holds,
+            "polls": self._num_polls,
             "descriptor": self.descriptor.to_json(),
         }
 
@@ -441,6 +452,9 @@ class KVAgent:
 
     def _submit(self, run: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
         self._cmds.append((run, fail))
+        self._wake_thread()
+
+    def _wake_thread(self) -> None:
         with contextlib.suppress(RuntimeError):  # already released: a wake is pending
             self._wake.release()
 
@@ -529,6 +543,7 @@ class KVAgent:
         cfg = self.config
         last_activity = time.monotonic()
         while True:
+            self._num_polls += 1
             is_busy = self._t_drain_commands()
             is_busy |= self._t_poll_inflight()
             is_busy |= self._t_poll_notifs()
@@ -542,7 +557,7 @@ class KVAgent:
                 wait_s = cfg.busy_wait_s  # a real sleep, not a spin: the loop needs the GIL
             elif quiet_s < cfg.hot_window_s:
                 wait_s = cfg.hot_wait_s
-            elif quiet_s < cfg.warm_window_s or now < self._warm_until:
+            elif quiet_s < cfg.warm_window_s or self._num_warm_holds > 0:
                 wait_s = cfg.idle_wait_s
             else:
                 wait_s = cfg.cold_wait_s

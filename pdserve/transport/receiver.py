@@ -338,6 +338,7 @@ class KVReceiver:
         every later failure ends the room (``bootstrap_error: ...``, ``peer_lost``, ...).
         """
         self._check_pages(dst_page_ids, num_tokens)
+        agent = self.agent
         room = self.table.create(room_id, request_id=request_id, page_ids=list(dst_page_ids))
         room.data.update(
             nonce=next(self._nonces),
@@ -348,6 +349,9 @@ class KVReceiver:
             next_chunk=0,
         )
         self._counters.rooms_opened += 1
+        # Writes into our pages need our agent's polling to progress: warm until the room
+        # ends, or, when it ends fenced (a write may still land), until the fence lifts.
+        agent.hold_warm()
         self._spawn(self._bootstrap(room), f"kv-boot-{room_id}")
         return room
 
@@ -568,9 +572,11 @@ class KVReceiver:
     def _on_room_release(self, room: Room) -> None:
         """Table callback. Success: the engine keeps the pages. Failed: release or fence."""
         if room.state == _SUCCESS:
+            self._release_warm()
             return
         data = room.data
         if data.get("posted", "no") == "no" or data.get("sender_fenced"):
+            self._release_warm()
             self._counters.released_immediately += 1
             self._release_pages(room.room_id, room.page_ids)
             if data.get("posted", "no") == "no" and (room.reason or "").startswith("aborted"):
@@ -604,7 +610,12 @@ class KVReceiver:
             logger.debug("room=%s abort before bootstrap not delivered: %s", room.room_id, e)
 
     def _on_fence_lifted(self, entry: FenceEntry, how: str) -> None:
+        self._release_warm()  # the hold its room passed on
         self._release_pages(entry.room_id, entry.page_ids)
+
+    def _release_warm(self) -> None:
+        if self._agent is not None:
+            self._agent.release_warm()
 
     def _release_pages(self, room_id: str, page_ids: list[int]) -> None:
         try:

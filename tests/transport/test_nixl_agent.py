@@ -370,3 +370,33 @@ async def test_child_process_receives_pages_with_matching_checksum() -> None:
             proc.kill()
             await proc.wait()
         await sender.close()
+
+
+async def test_agent_polls_every_millisecond_while_held_warm_and_rarely_when_idle() -> None:
+    # Each timed wake-up of an idle agent preempts a model thread: with nothing outstanding
+    # and nothing expected it waits cold_wait_s; a receiver's hold keeps it at idle_wait_s.
+    cfg = KVAgentConfig(warm_window_s=0.05)
+    agent = started("tcore-holds", make_pool(), config=cfg)
+    try:
+
+        async def polls_in(window_s: float) -> int:
+            before = agent.debug_dict()["polls"]
+            await asyncio.sleep(window_s)  # the measured window, not a synchronisation
+            return agent.debug_dict()["polls"] - before
+
+        await asyncio.sleep(2 * cfg.warm_window_s)  # time passing is the point: go idle
+        idle = await polls_in(0.5)
+        agent.hold_warm()
+        agent.hold_warm()
+        agent.release_warm()  # one hold left
+        assert agent.debug_dict()["warm_holds"] == 1
+        held = await polls_in(0.5)
+        agent.release_warm()
+        assert agent.debug_dict()["warm_holds"] == 0
+        await asyncio.sleep(2 * cfg.warm_window_s)
+        idle_again = await polls_in(0.5)
+    finally:
+        await agent.close()
+    assert idle <= 0.5 / cfg.cold_wait_s + 2, f"idle agent polled {idle} times in 0.5 s"
+    assert held >= 100, f"held agent polled only {held} times in 0.5 s (1 ms period)"
+    assert idle_again <= 0.5 / cfg.cold_wait_s + 2

@@ -162,3 +162,32 @@ async def test_receiver_timeout_while_waiting_aborts_the_sender_room_too(
     assert out.state == RoomState.FAILED and "timeout:WaitingForInput" in out.reason
     assert await r_rel.wait("t") == [2]
     assert receiver.stats["released_by_ack"] == 1
+
+
+async def test_receiver_keeps_its_agent_warm_while_a_room_may_still_be_written(
+    endpoints: Endpoints,
+) -> None:
+    # A room expecting writes holds the agent warm (writes need its polling to progress);
+    # success ends the hold; an abort mid-transfer passes it to the fence until the ack.
+    sender, _ = await endpoints.sender(max_chunk_pages=1, faults=SLOW)
+    receiver, r_rel = await endpoints.receiver()
+
+    def holds() -> int:
+        return receiver.agent.debug_dict()["warm_holds"]
+
+    assert holds() == 0
+    sender.open_room("ok", "req")
+    room = await receiver.open_room("ok", "req", LOCAL, sender.bootstrap_port, [1], 10)
+    assert holds() == 1
+    assert sender.send("ok", [0], 10, first_token=3)
+    assert (await outcome(room)).state == RoomState.SUCCESS
+    assert holds() == 0
+
+    sender.open_room("ab", "req")
+    room = await receiver.open_room("ab", "req", LOCAL, sender.bootstrap_port, [4, 5, 6], 40)
+    assert sender.send("ab", [0, 1, 2], 40, first_token=1)
+    await until(lambda: room.state == RoomState.TRANSFERRING.value, what="first chunk landed")
+    assert receiver.abort("ab", "client left")
+    assert receiver.stats["num_fenced"] == 1 and holds() == 1  # a write may still land
+    assert await r_rel.wait("ab") == [4, 5, 6]
+    assert holds() == 0
