@@ -69,17 +69,23 @@ class ClusterSpec:
     max_ready_s: float = 240.0
 
 
+PDSERVE = (sys.executable, "-m", "pdserve")
+
+
 @dataclass
 class ManagedProc:
-    """One ``python -m pdserve ...`` child with fixed ports, restartable with other flags."""
+    """One server child (``python -m pdserve ...`` unless ``command`` says otherwise) with fixed
+    ports, restartable with other flags."""
 
     name: str
-    role: str  # prefill | decode | router
+    role: str  # prefill | decode | router | colocated | vllm
     argv: list[str]
     url: str
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+    command: tuple[str, ...] = PDSERVE
+    ready_path: str = "/health/ready"  # answers 200 once the server serves
     popen: subprocess.Popen[bytes] | None = None
     num_starts: int = 0
     num_kills: int = 0
@@ -95,7 +101,7 @@ class ManagedProc:
             log.write(f"\n=== bench: start #{self.num_starts} of {self.name} ===\n".encode())
             log.flush()
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "pdserve", *self.argv, *self.extra_args],
+                [*self.command, *self.argv, *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, **self.env},
             )  # fmt: skip
@@ -120,14 +126,14 @@ class ManagedProc:
             self.kill()
 
     async def wait_ready(self, session: aiohttp.ClientSession, max_wait_s: float) -> None:
-        """Poll ``/health/ready`` until 200; fail fast if the process exits."""
+        """Poll ``ready_path`` until 200; fail fast if the process exits."""
         deadline = time.monotonic() + max_wait_s
         delay = 0.05
         while True:
             if not self.is_running:
                 code = self.popen.returncode if self.popen else None
                 raise RuntimeError(f"{self.name} exited ({code}); log {self.log_path}")
-            if await is_ready(session, self.url):
+            if await is_ready(session, self.url, self.ready_path):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} not ready in {max_wait_s:g}s; log {self.log_path}")
@@ -135,10 +141,10 @@ class ManagedProc:
             delay = min(delay * 2, 0.5)
 
 
-async def is_ready(session: aiohttp.ClientSession, url: str) -> bool:
+async def is_ready(session: aiohttp.ClientSession, url: str, path: str = "/health/ready") -> bool:
     try:
         timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-        async with session.get(f"{url}/health/ready", timeout=timeout) as resp:
+        async with session.get(f"{url}{path}", timeout=timeout) as resp:
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False

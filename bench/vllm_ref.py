@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from bench.cluster import ManagedProc
 
 READY_TIMEOUT_S = 600.0  # vLLM's start-up on 2 cores (imports, compile, warm-up): 1-2 min
 
@@ -61,15 +61,27 @@ class VllmServer:
     log_path: Path = field(
         default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-vllm-")) / "vllm.log"
     )
-    popen: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        # The same child-process handling as the pdserve processes of bench/cluster.py (own
+        # session, so a stop takes vLLM's engine-core child too; readiness with a deadline).
+        self.proc = ManagedProc(
+            "vLLM", "vllm", self.argv(), self.url, self.log_path,
+            env={**tuned_env(self.python), **self.extra_env},
+            command=(self.python, "-m", "vllm.entrypoints.openai.api_server"),
+            ready_path="/v1/models",  # answers once the engine is up
+        )  # fmt: skip
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def popen(self) -> subprocess.Popen[bytes] | None:
+        return self.proc.popen
+
     def argv(self) -> list[str]:
         return [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
             "--max-model-len", str(self.max_model_len),
@@ -78,53 +90,15 @@ class VllmServer:
             "--no-enable-prefix-caching",
         ]  # fmt: skip
 
-    def start(self) -> None:
-        """Spawn it in its own session (vLLM runs an engine-core child: stop takes both)."""
-        with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **tuned_env(self.python), **self.extra_env},
-            )  # fmt: skip
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM to its process group, then SIGKILL."""
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=30)
-
     async def __aenter__(self) -> VllmServer:
-        await asyncio.to_thread(self.start)
+        await asyncio.to_thread(self.proc.start)
         try:
-            await self.wait_ready(READY_TIMEOUT_S)
+            async with aiohttp.ClientSession() as session:
+                await self.proc.wait_ready(session, READY_TIMEOUT_S)
         except BaseException:
-            await asyncio.to_thread(self.stop)
+            await asyncio.to_thread(self.proc.stop)
             raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await asyncio.to_thread(self.stop)
-
-    async def wait_ready(self, max_wait_s: float) -> None:
-        """Poll ``/v1/models`` (it answers once the engine is up) until 200, to a deadline."""
-        deadline = time.monotonic() + max_wait_s
-        timeout = aiohttp.ClientTimeout(total=5)
-        async with aiohttp.ClientSession() as session:
-            while True:
-                assert self.popen is not None
-                if self.popen.poll() is not None:
-                    code = self.popen.returncode
-                    raise RuntimeError(f"vLLM exited ({code}); log {self.log_path}")
-                try:
-                    async with session.get(f"{self.url}/v1/models", timeout=timeout) as resp:
-                        if resp.status == 200:
-                            return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass  # not listening yet
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"vLLM not ready in {max_wait_s:g}s; log {self.log_path}")
-                await asyncio.sleep(0.5)  # readiness poll interval, bounded by the deadline
+        await asyncio.to_thread(self.proc.stop, 30.0)
