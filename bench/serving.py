@@ -25,7 +25,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from pdserve.cli import run_async
+from pdserve.cli_common import run_async
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from pdserve.api.config import ApiConfig
-from pdserve.cli import resolve_model_dir
+from pdserve.cli_common import resolve_model_dir
 from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.envs import read_env

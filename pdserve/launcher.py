@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from pdserve.cli import add_model_args, resolve_model_dir
+from pdserve.cli_common import add_model_args, resolve_model_dir
 
 
 @dataclass(frozen=True)

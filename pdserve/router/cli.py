@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from pdserve.cli import run_async
+from pdserve.cli_common import run_async
 from pdserve.envs import read_env
 from pdserve.router.app import Router
 from pdserve.router.config import POLICY_NAMES, RouterConfig
