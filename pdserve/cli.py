@@ -7,7 +7,7 @@ import asyncio
 import signal
 import sys
 
-from pdserve.cli_common import add_model_args, run_async, setup_logging
+from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logging
 from pdserve.envs import quiet_nixl_logs
 
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
@@ -103,7 +103,11 @@ def _serve(argv: list[str]) -> int:
     except ValueError as e:  # a bad flag value: a usage error, not a traceback
         p.error(str(e))
     apply_gil_switch_interval(args.gil_switch_interval_ms)
-    run_async(_serve_forever(config))
+    try:
+        run_async(_serve_forever(config))
+    except UNSERVABLE as e:  # the server failed to start: say why, without a traceback
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -7,20 +7,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.envs import read_env
+from pdserve.model.config import ModelDirError
+from pdserve.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError
 
 T = TypeVar("T")
+# Errors of a model (directory, dtype) that a command cannot serve: a message, not a traceback.
+UNSERVABLE = (ModelDirError, UnsupportedDtypeError)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The flags of every command that loads a model (serve, up)."""
+    """The flags of every command that serves a model (serve, up)."""
     p.add_argument("--model", default=None, help="HF-format model dir (default: built-in demo)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    add_runner_args(p)
+    p.add_argument(
+        "--decode-threads", type=_threads_or_auto, default=None, metavar="{auto,N}",
+        help="torch threads of decode steps; auto (default): 1 unless more are >= 1.3x faster "
+        "in a start-up measurement (or one thread needs >= 20 ms per step)",
+    )  # fmt: skip
+
+
+def add_runner_args(p: argparse.ArgumentParser) -> None:
+    """The flags of every command that loads a model (serve, up, generate): one name each."""
+    p.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES,
+        help="auto (default): the checkpoint's torch_dtype (a float16 one runs in bfloat16 on "
+        "CPU); an explicit dtype converts the weights on load (float16: CUDA only)",
+    )  # fmt: skip
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -30,11 +49,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--num-threads", type=int, default=None,
         help="torch intra-op threads (prefill; decode's most); default: torch's (all cores)",
     )  # fmt: skip
-    p.add_argument(
-        "--decode-threads", type=_threads_or_auto, default=None, metavar="{auto,N}",
-        help="torch threads of decode steps; auto (default): 1 unless more are >= 1.3x faster "
-        "in a start-up measurement (or one thread needs >= 20 ms per step)",
-    )  # fmt: skip
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old flag name that still works, with a warning naming the new one.
+
+    ``p.add_argument("--old", action=DeprecatedAlias, new="--new", dest=..., type=...)``.
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, help=f"deprecated: use {new}", **kwargs)
+        self.new = new
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _threads_or_auto(value: str) -> int | None:
@@ -69,9 +104,15 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """The given model dir, or the built-in demo model (created on first use)."""
+    """The given model dir, else $PDSERVE_MODEL, else the built-in demo (created on first use)."""
+    model = model or read_env().model_dir
     if model:
         return Path(model)
     from pdserve.model.demo import default_demo_dir, ensure_demo_model
 
     return ensure_demo_model(default_demo_dir())
+
+
+def served_model_name(given: str | None, model_dir: str) -> str:
+    """``--served-model-name``, else the model directory's name (the demo's: ``demo-model``)."""
+    return given or Path(model_dir).name

@@ -1,7 +1,8 @@
 """Offline generation, like vLLM's ``LLM.generate``: prompts in, completions out, no server.
 
 ``pdserve generate --model DIR --prompt TEXT [--prompt-ids 1,2,3] --max-tokens N
-[--temperature T --seed S] [--json]``. Without ``--model`` the built-in demo model is used.
+[--temperature T --seed S] [--json]``, plus the runner flags of ``pdserve serve`` (``--dtype``,
+``--kv-cache-mb``, ...). Without ``--model`` the built-in demo model is used.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
+from pdserve.cli_common import UNSERVABLE, DeprecatedAlias, add_runner_args
+from pdserve.config_builder import runner_config_from_args
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model.tokenizer import IncrementalDetokenizer
-from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
 
@@ -125,9 +128,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    add_runner_args(p)
+    p.add_argument(
+        "--kv-cache-mib", action=DeprecatedAlias, new="--kv-cache-mb", dest="kv_cache_mb", type=int
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     return p.parse_args(argv)
 
@@ -152,18 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt and not args.prompt_ids:
         print("pdserve generate: give at least one --prompt or --prompt-ids", file=sys.stderr)
         return 2
-    if args.model is None:
-        from pdserve.model.demo import ensure_demo_model
-
-        args.model = str(ensure_demo_model())
-    runner = ModelRunner(
-        RunnerConfig(
-            model_dir=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            kv_cache_bytes=args.kv_cache_mib * 2**20,
-        )
-    )
+    config = dataclasses.replace(runner_config_from_args(args), device=args.device)
+    try:
+        runner = ModelRunner(config)
+    except UNSERVABLE as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -13,7 +13,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from pdserve.cli_common import add_model_args, resolve_model_dir
+from pdserve.cli_common import add_model_args, resolve_model_dir, served_model_name
+from pdserve.model.config import ModelConfig, ModelDirError
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     model_dir = str(resolve_model_dir(args.model))  # made once, before the children race for it
     return ClusterConfig(
         model_dir=model_dir,
-        served_model_name=args.served_model_name or os.path.basename(model_dir.rstrip("/")),
+        served_model_name=served_model_name(args.served_model_name, model_dir),
         router_port=args.router_port,
         prefill_port=args.prefill_port,
         decode_port=args.decode_port,
@@ -202,6 +203,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str]) -> int:
     cfg = cluster_config_from_args(parse_args(argv))
+    try:  # refuse a model the workers cannot serve before starting any of them
+        ModelConfig.from_dir(cfg.model_dir)
+    except ModelDirError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _interrupt)
     children = start_cluster(cfg)
     try:

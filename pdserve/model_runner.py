@@ -26,8 +26,9 @@ from pdserve.kernels.sampling import (
 )
 from pdserve.kernels.topk import argmax_rows
 from pdserve.model.config import ModelConfig
+from pdserve.model.dtype import resolve_dtype
 from pdserve.model.llama import ForwardBatch, LlamaModel, PagedKV
-from pdserve.model.loader import load_weights
+from pdserve.model.loader import load_weights, stored_dtype
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import (
@@ -39,13 +40,12 @@ from pdserve.thread_tuning import (
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class RunnerConfig:
     model_dir: str
-    dtype: str = "bfloat16"  # "bfloat16" | "float32" (CPU); "float16" too on CUDA
+    # "auto": the checkpoint's own (pdserve.model.dtype); "bfloat16" | "float32"; "float16" on CUDA
+    dtype: str = "auto"
     page_size: int = 16
     num_pages: int | None = None  # None: as many as fit in kv_cache_bytes
     kv_cache_bytes: int = 512 * 1024 * 1024
@@ -91,15 +91,6 @@ class RunnerStats:
     last_step: dict[str, float] = field(default_factory=dict)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Map a dtype name to torch; float16 is CUDA only (CPU half matmuls are very slow)."""
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}")
-    if name == "float16" and device.type == "cpu":
-        raise ValueError("float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
-    return _DTYPES[name]
-
-
 class ModelRunner:
     """Owns the model weights, tokenizer and KV page pool of one engine."""
 
@@ -108,8 +99,9 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = ModelConfig.from_dir(config.model_dir)
+        declared = self.model_config.checkpoint_dtype or stored_dtype(config.model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.device, declared)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         mc = self.model_config
         self.kv_config = self._kv_config(mc)

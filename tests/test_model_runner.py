@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from pdserve.engine.protocol import TokenLogprob
+from pdserve.model.config import ModelDirError
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
-from tests.model.checkpoints import load_reference, write_checkpoint
+from tests.model.checkpoints import convert_checkpoint, load_reference, write_checkpoint
 
 PAGE_SIZE = 4
 
@@ -233,3 +234,44 @@ def test_a_decode_only_runner_makes_no_float32_weight_copies(checkpoint: Path) -
     book = PageBook()
     tokens = [r.prefill([book.seq("a", [5, 6, 7, 8, 9])]).token_ids for r in (both, decode_only)]
     assert tokens[0] == tokens[1]
+
+
+def test_a_float32_checkpoint_runs_in_float32_by_default(
+    checkpoint: Path, runner: ModelRunner
+) -> None:
+    auto = ModelRunner(RunnerConfig(str(checkpoint), page_size=PAGE_SIZE, num_pages=32))
+    assert auto.config.dtype == "auto"
+    assert auto.dtype == auto.kv_pool.kv.dtype == auto.model.weights.embed.dtype == torch.float32
+    prompt = [1, 5, 9, 2, 7]
+    seqs = [Sequence("a", list(prompt), len(prompt), SamplingParams(), [0, 1])]
+    logits = auto.prefill_logits(seqs)
+    seqs = [Sequence("b", list(prompt), len(prompt), SamplingParams(), [0, 1])]
+    assert torch.equal(logits, runner.prefill_logits(seqs))  # same as an explicit float32 run
+
+
+@pytest.mark.parametrize(
+    ("stored", "declared", "expected"),
+    [
+        (torch.bfloat16, "bfloat16", torch.bfloat16),
+        (torch.float16, "float16", torch.bfloat16),  # CPU: no fast float16
+        (torch.bfloat16, None, torch.bfloat16),  # no declaration: the stored dtype
+        (torch.float32, None, torch.float32),
+    ],
+)
+def test_auto_follows_the_checkpoint(
+    checkpoint: Path, tmp_path: Path, stored: torch.dtype, declared: str | None,
+    expected: torch.dtype,
+) -> None:  # fmt: skip
+    converted = convert_checkpoint(checkpoint, tmp_path / "c", stored, declared)
+    auto = ModelRunner(RunnerConfig(str(converted), page_size=PAGE_SIZE, num_pages=8))
+    assert auto.dtype == expected
+
+
+def test_a_quantized_checkpoint_is_refused_before_any_weight_loads(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    fp8 = convert_checkpoint(checkpoint, tmp_path / "q", torch.float32, "float32",
+                             quantization_config=quant)  # fmt: skip
+    with pytest.raises(ModelDirError, match="quantized .*'fp8'"):
+        ModelRunner(RunnerConfig(str(fp8), num_pages=8))

@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from pdserve.cli_common import run_async
+from pdserve.cli_common import DeprecatedAlias, run_async
 from pdserve.envs import read_env
 from pdserve.router.app import Router
 from pdserve.router.config import POLICY_NAMES, RouterConfig
@@ -33,7 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_timing_flags(p, d)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument(
+        "--max-body-kb", type=int, default=d.max_body_bytes >> 10,
+        help="larger request bodies get 413 (as on workers)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-body-bytes", action=DeprecatedAlias, new="--max-body-kb", type=int, default=None
+    )
     p.add_argument("--api-key", default=None, help="clients' Bearer key ($PDSERVE_API_KEY)")
     p.add_argument("--worker-api-key", default=None, help="Bearer key for workers (--api-key)")
     return p
@@ -74,7 +80,7 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         breaker_reset_s=args.breaker_reset,
         api_key=api_key,
         worker_api_key=args.worker_api_key or api_key,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes or args.max_body_kb << 10,
     )
 
 

@@ -93,7 +93,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     # The victim room of the bootstrap test ends by this deadline (the prefill's is 60 s).
     victim_deadline = ["--timeout-waiting-for-input", str(VICTIM_DEADLINE_S)]
     dec = worker(tmp, "decode-0", "decode", demo_model_dir, *flags, *victim_deadline)
-    rt = router(tmp, [pre], [dec], "--api-key", KEY, "--max-body-bytes", str(MAX_BODY))
+    rt = router(tmp, [pre], [dec], "--api-key", KEY, "--max-body-kb", str(MAX_BODY // 1024))
     c = Cluster(pre, dec, rt)
     assign_distinct_ports(c.procs)
     for p in c.procs:
