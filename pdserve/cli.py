@@ -9,6 +9,7 @@ import sys
 
 from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logging
 from pdserve.envs import quiet_nixl_logs
+from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 
@@ -57,6 +58,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="one HTTP request to a bootstrap server",
     )  # fmt: skip
     p.add_argument("--log-level", default=None)
+    add_parent_pid_arg(p)
     p.add_argument(
         "--gil-switch-interval-ms",
         type=float,
@@ -104,14 +106,14 @@ def _serve(argv: list[str]) -> int:
         p.error(str(e))
     apply_gil_switch_interval(args.gil_switch_interval_ms)
     try:
-        run_async(_serve_forever(config))
+        run_async(_serve_forever(config, args.parent_pid))
     except UNSERVABLE as e:  # the server failed to start: say why, without a traceback
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
     return 0
 
 
-async def _serve_forever(config: object) -> None:
+async def _serve_forever(config: object, parent_pid: int | None = None) -> None:
     from pdserve.server import Server
 
     server = Server(config)  # type: ignore[arg-type]
@@ -122,7 +124,7 @@ async def _serve_forever(config: object) -> None:
     await server.start()
     print(f"pdserve {server.config.role} serving at {server.url}", flush=True)
     try:
-        await stop.wait()
+        await wait_for_stop(stop, parent_pid)
     finally:
         await server.stop()
 

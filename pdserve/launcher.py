@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from pdserve.cli_common import add_model_args, resolve_model_dir, served_model_name
+from pdserve.lifetime import parent_death_preexec
 from pdserve.model.config import ModelConfig, ModelDirError
 
 
@@ -45,9 +46,13 @@ class Child:
 
 
 def _popen(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "pdserve", *argv]
-    print(f"[up] starting {name}: {' '.join(cmd[2:])}", flush=True)
-    return subprocess.Popen(cmd, start_new_session=True)
+    # A child lives no longer than this supervisor, even one that is SIGKILLed: the kernel's
+    # parent-death signal, and the child's own watch on its parent pid (pdserve/lifetime.py).
+    me = os.getpid()
+    cmd = [sys.executable, "-m", "pdserve", *argv, "--parent-pid", str(me)]
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=parent_death_preexec(me))
+    print(f"[up] started {name} (pid {proc.pid}): {' '.join(cmd[2:])}", flush=True)
+    return proc
 
 
 def _spawn(name: str, argv: list[str], url: str) -> Child:
@@ -73,8 +78,11 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
     ]  # fmt: skip
 
 
-def start_cluster(cfg: ClusterConfig) -> list[Child]:
-    return [_spawn(name, argv, url) for name, argv, url in child_specs(cfg)]
+def start_cluster(cfg: ClusterConfig, children: list[Child]) -> None:
+    """Start every child, appending each to ``children`` at once (so that a signal arriving
+    half-way leaves the started ones in the list that stop_cluster stops)."""
+    for name, argv, url in child_specs(cfg):
+        children.append(_spawn(name, argv, url))
 
 
 def is_ready(url: str) -> bool:
@@ -201,6 +209,14 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM (kill, a process manager) stops the children like Ctrl-C
 
 
+def handle_stop_signals() -> None:
+    """SIGINT and SIGTERM stop the cluster, whatever disposition this process inherited (a
+    background job of a non-interactive shell starts with SIGINT ignored, and Python then
+    installs no Ctrl-C handler of its own)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
 def main(argv: list[str]) -> int:
     cfg = cluster_config_from_args(parse_args(argv))
     try:  # refuse a model the workers cannot serve before starting any of them
@@ -208,9 +224,10 @@ def main(argv: list[str]) -> int:
     except ModelDirError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)
-    children = start_cluster(cfg)
+    children: list[Child] = []
+    handle_stop_signals()
     try:
+        start_cluster(cfg, children)
         wait_ready(children, cfg.ready_timeout_s)
         url = children[-1].url
         print(
@@ -227,5 +244,8 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("\n[up] stopping", flush=True)
         return 0
+    except (RuntimeError, TimeoutError) as e:  # a child that would not start (its log says why)
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 1
     finally:
         stop_cluster(children)

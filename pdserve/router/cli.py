@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from pdserve.cli_common import DeprecatedAlias, run_async
 from pdserve.envs import read_env
+from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.router.app import Router
 from pdserve.router.config import POLICY_NAMES, RouterConfig
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", default=None, help="clients' Bearer key ($PDSERVE_API_KEY)")
     p.add_argument("--worker-api-key", default=None, help="Bearer key for workers (--api-key)")
+    add_parent_pid_arg(p)
     return p
 
 
@@ -84,15 +86,15 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
     )
 
 
-async def serve(config: RouterConfig) -> None:
-    """Run a router until SIGINT or SIGTERM."""
+async def serve(config: RouterConfig, parent_pid: int | None = None) -> None:
+    """Run a router until SIGINT or SIGTERM (or until ``parent_pid`` is no longer its parent)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with Router(config) as router:
         print(f"pdserve router ready at {router.url}", flush=True)
-        await stop.wait()
+        await wait_for_stop(stop, parent_pid)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,5 +112,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not (config.prefill_urls or config.decode_urls or config.worker_urls):
         logger.warning("no workers given; add them at run time with POST /workers")
-    run_async(serve(config))
+    run_async(serve(config, args.parent_pid))
     return 0
