@@ -1,8 +1,24 @@
 """A pdserve worker server of any role, for the CLI and for Python embedding.
 
-async with Server(ServerConfig(role="colocated", model_dir=...)) as server:
-    async for out in server.generate("Hello", max_tokens=8):
-        print(out.text, end="")
+```python
+import asyncio
+
+from pdserve.model_runner import RunnerConfig
+from pdserve.server import Server, ServerConfig
+
+model_dir = "/path/to/model"  # any local HF model directory
+
+
+async def main() -> None:
+    # A colocated worker (EngineConfig's default role), without HTTP: generate() in-process.
+    config = ServerConfig(runner=RunnerConfig(model_dir=model_dir), serve_http=False)
+    async with Server(config) as server:
+        async for delta in server.generate("Hello", max_tokens=16, temperature=0):
+            print(delta.text, end="", flush=True)
+
+
+asyncio.run(main())
+```
 """
 
 from __future__ import annotations

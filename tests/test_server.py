@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from pathlib import Path
 
@@ -156,3 +157,31 @@ async def test_two_servers_sharing_a_cpu_lease_take_turns_and_report_it(
     assert values["pdserve_cpu_lease_timeouts_total"] == 0
     assert a.engine is not None and a.engine.cpu_lease is not None
     assert a.engine.cpu_lease.stats.acquired > 8  # load, warm-up and every step held it
+
+
+PLACEHOLDER = '"/path/to/model"'
+
+
+def python_blocks(text: str) -> list[str]:
+    """The fenced ```python blocks of a docstring or a markdown file."""
+    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+def embedding_examples() -> dict[str, str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Embedding in Python", 1)[1].split("\n## ", 1)[0]
+    return {
+        "pdserve/server.py": python_blocks(server_module.__doc__ or "")[0],
+        "README.md": python_blocks(section)[0],
+    }
+
+
+@pytest.mark.parametrize("where", ["pdserve/server.py", "README.md"])
+def test_the_embedding_example_runs_as_written(
+    demo_dir: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    code = embedding_examples()[where]
+    assert code.count(PLACEHOLDER) == 1, "the example names its model dir once"
+    exec(compile(code.replace(PLACEHOLDER, repr(str(demo_dir))), where, "exec"), {})  # noqa: S102
+    printed = capsys.readouterr().out
+    assert printed  # greedy on the demo model: 16 tokens of (meaningless) text
