@@ -57,7 +57,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--bootstrap-request-timeout", type=float, default=5.0,
         help="one HTTP request to a bootstrap server",
     )  # fmt: skip
-    p.add_argument("--log-level", default=None)
+    p.add_argument("--log-level", default=None, help="default $PDSERVE_LOG_LEVEL, else INFO")
     add_parent_pid_arg(p)
     p.add_argument(
         "--gil-switch-interval-ms",

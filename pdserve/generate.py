@@ -14,7 +14,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from pdserve.cli_common import UNSERVABLE, DeprecatedAlias, add_runner_args
+from pdserve.cli_common import UNSERVABLE, DeprecatedAlias, add_runner_args, setup_logging
 from pdserve.config_builder import runner_config_from_args
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model.tokenizer import IncrementalDetokenizer
@@ -134,6 +134,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "--kv-cache-mib", action=DeprecatedAlias, new="--kv-cache-mb", dest="kv_cache_mb", type=int
     )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--log-level", default="WARNING", help="logs go to stderr (default WARNING)")
     return p.parse_args(argv)
 
 
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt and not args.prompt_ids:
         print("pdserve generate: give at least one --prompt or --prompt-ids", file=sys.stderr)
         return 2
+    setup_logging(args.log_level)
     config = dataclasses.replace(runner_config_from_args(args), device=args.device)
     try:
         runner = ModelRunner(config)

@@ -159,3 +159,10 @@ def test_a_quantized_checkpoint_ends_the_command_with_its_method_named(
     err = capsys.readouterr().err
     assert f"{prog}: the checkpoint is quantized (quantization_config.quant_method 'gptq')" in err
     assert "Traceback" not in err
+
+
+def test_serve_and_router_take_the_same_log_level_and_parent_pid_flags() -> None:
+    argv = ["--log-level", "debug", "--parent-pid", "123"]
+    for args in (parse(*argv), router_cli.build_parser().parse_args(argv)):
+        assert (args.log_level, args.parent_pid) == ("debug", 123)
+    assert generate._parse_args(["--log-level", "info"]).log_level == "info"

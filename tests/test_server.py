@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from prometheus_client import generate_latest
 
 from pdserve import server as server_module
 from pdserve.engine.config import EngineConfig
+from pdserve.model.config import ModelDirError
 from pdserve.model.demo import write_demo_model
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.server import Server, ServerConfig
@@ -185,3 +188,17 @@ def test_the_embedding_example_runs_as_written(
     exec(compile(code.replace(PLACEHOLDER, repr(str(demo_dir))), where, "exec"), {})  # noqa: S102
     printed = capsys.readouterr().out
     assert printed  # greedy on the demo model: 16 tokens of (meaningless) text
+
+
+async def test_a_quantized_checkpoint_fails_the_start_naming_its_method(
+    demo_dir: Path, tmp_path: Path
+) -> None:
+    quantized = Path(shutil.copytree(demo_dir, tmp_path / "fp8"))
+    hf = json.loads((quantized / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (quantized / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(
+        ModelDirError, match=r"quantized \(quantization_config.quant_method 'fp8'\)"
+    ):
+        await Server(config(quantized)).start()
+    assert not [t for t in threading.enumerate() if t.name == "pdserve-runner"]  # no leak

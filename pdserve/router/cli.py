@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from pdserve.cli_common import DeprecatedAlias, run_async
+from pdserve.cli_common import DeprecatedAlias, run_async, setup_logging
 from pdserve.envs import read_env
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.router.app import Router
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", default=None, help="clients' Bearer key ($PDSERVE_API_KEY)")
     p.add_argument("--worker-api-key", default=None, help="Bearer key for workers (--api-key)")
+    p.add_argument("--log-level", default=None, help="default $PDSERVE_LOG_LEVEL, else INFO")
     add_parent_pid_arg(p)
     return p
 
@@ -101,10 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point (``pdserve router ...``); returns the exit status."""
     env = read_env()
     args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=env.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+    setup_logging(args.log_level)
     try:
         config = config_from_args(args, env.api_key)
     except ValueError as exc:
