@@ -45,8 +45,8 @@ def resolve_dtype(
     """Map a dtype name (or ``auto``: the checkpoint's ``checkpoint_dtype``) to torch.
 
     float16 is CUDA only (CPU half matmuls are very slow): asked for explicitly on a CPU it is an
-    error; a float16 checkpoint under ``auto`` runs in bfloat16 there (same range as float32,
-    so every float16 weight converts without overflow).
+    error; a float16 checkpoint under ``auto`` runs in bfloat16 there (its range holds every
+    float16 value; its precision is coarser).
     """
     if name == "auto":
         return _torch_dtype(_auto_name(checkpoint_dtype, device))
@@ -73,7 +73,7 @@ def _auto_name(checkpoint_dtype: str | None, device: torch.device) -> str:
         )  # fmt: skip
         return AUTO_FALLBACK
     if declared == "float16" and device.type == "cpu":
-        logger.info("dtype auto: float16 checkpoint runs in bfloat16 on CPU (no fast fp16 there)")
+        logger.warning("dtype auto: a float16 checkpoint runs in bfloat16 on CPU (no fast fp16)")
         return "bfloat16"
     logger.info("dtype auto: %s, as the checkpoint declares", declared)
     return declared

@@ -32,9 +32,9 @@ def test_auto_runs_the_checkpoint_in_its_own_dtype(
 def test_auto_runs_a_float16_checkpoint_in_bfloat16_on_cpu_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="pdserve.model.dtype"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.model.dtype"):
         assert resolve_dtype("auto", CPU, "float16") == torch.bfloat16
-    assert "float16 checkpoint runs in bfloat16 on CPU" in caplog.text
+    assert "a float16 checkpoint runs in bfloat16 on CPU" in caplog.text
 
 
 def test_auto_without_a_usable_declaration_falls_back_to_bfloat16_with_a_warning(
