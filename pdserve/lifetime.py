@@ -27,24 +27,24 @@ PARENT_POLL_INTERVAL_S = 0.5
 def parent_death_preexec(parent_pid: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A ``subprocess.Popen(preexec_fn=...)`` that makes the child get ``sig`` when
     ``parent_pid`` (the process calling Popen, single-threaded) dies."""
+    prctl = _prctl()  # looked up here, in the parent: no dlopen between fork and exec
 
     def preexec() -> None:
-        set_parent_death_signal(sig)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before the signal was armed
             os._exit(1)
 
     return preexec
 
 
-def set_parent_death_signal(sig: int) -> bool:
-    """Ask the kernel for ``sig`` when this process's parent dies; False where unsupported."""
+def _prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return False
+        return None
 
 
 def is_parent(pid: int) -> bool:
