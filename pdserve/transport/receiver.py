@@ -39,22 +39,23 @@ from pdserve.transport.bootstrap import (
     PeerRejectedError,
     PeerUnreachableError,
 )
+from pdserve.transport.checksum import page_checksum_off_loop
 from pdserve.transport.config import TransportConfig
 from pdserve.transport.faults import maybe_injector
 from pdserve.transport.fence import FenceEntry, FenceManager
+from pdserve.transport.layout import layout_of
 from pdserve.transport.liveness import BootstrapFailed, PrefillLink, PrefillLinkManager
 from pdserve.transport.messages import (
     AbortMsg,
     AbortNotifMsg,
     DataNotifMsg,
-    MessageError,
     PoolDescMsg,
     RegisterMsg,
     RoomMsg,
     decode_notif,
-    page_checksum_off_loop,
 )
 from pdserve.transport.nixl_agent import KVAgent
+from pdserve.transport.wire import MessageError
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class KVReceiver:
         self._faults = maybe_injector(config.faults)
         self._client = BootstrapClient(config.connect_timeout_s, config.request_timeout_s)
         self._counters = ReceiverStats()
+        self.layout = layout_of(pool, config.model_name, config.model_fingerprint)
         self._nonces = itertools.count(1)
         self._agent: KVAgent | None = None
         self._links: PrefillLinkManager | None = None
@@ -122,6 +124,7 @@ class KVReceiver:
             agent.name,
             agent.metadata,
             PoolDescMsg.from_dict(agent.descriptor.to_json()),
+            self.layout,
         )
         self._links = PrefillLinkManager(cfg, self._client, register, self._on_link_lost)
         self._fence = FenceManager(cfg, self._client, self._on_fence_lifted)

@@ -32,9 +32,12 @@ from pdserve.fsm import (
     RoomTable,
 )
 from pdserve.kernels.kv_cache import KVPagePool
+from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, wait_kv_ready
 from pdserve.transport.bootstrap import BootstrapServer, ProtocolError
+from pdserve.transport.checksum import page_checksum_off_loop
 from pdserve.transport.config import TransportConfig, peer_key
 from pdserve.transport.faults import maybe_injector
+from pdserve.transport.layout import layout_of
 from pdserve.transport.liveness import DecodePeer, DecodePeerManager
 from pdserve.transport.messages import (
     AbortMsg,
@@ -46,10 +49,9 @@ from pdserve.transport.messages import (
     RegisterMsg,
     RegisterReplyMsg,
     RoomMsg,
-    encode,
-    page_checksum_off_loop,
 )
 from pdserve.transport.nixl_agent import KVAgent, PoolDescriptor, TransferError
+from pdserve.transport.wire import encode
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class SenderStats:
     transfer_latency_s_sum: float = 0.0  # begin_transfer -> last chunk DONE
     transfer_latency_count: int = 0
     transfer_errors: int = 0
+    kv_not_ready: int = 0  # rooms failed because their KV never became ready on the device
     peers_registered: int = 0
     peers_lost: int = 0
     aborts_sent: int = 0  # AbortNotifMsg sent to decode (both fenced and not)
@@ -98,6 +101,7 @@ class KVSender:
             self, config.bootstrap_host, config.bootstrap_port, config.max_room_pages
         )
         self._counters = SenderStats()
+        self.layout = layout_of(pool, config.model_name, config.model_fingerprint)
         self._agent: KVAgent | None = None
         self._writes: dict[tuple[str, int], Room] = {}  # (decode peer key, nonce) -> room
         self._recent_aborts: OrderedDict[str, tuple[float, str]] = OrderedDict()
@@ -178,11 +182,14 @@ class KVSender:
         first_token: int,
         first_logprob: float | None = None,
         first_top_logprobs: tuple[tuple[int, float], ...] = (),
+        kv_ready: KVReady = ALWAYS_READY,
     ) -> bool:
         """Hand the prefilled KV pages of a live room to the transport (it now owns them).
 
         The first token (and its logprobs, if asked for) travel in the last chunk's notification.
-        Returns False, leaving the pages with the caller, when the room is no longer live.
+        No WRITE is posted before ``kv_ready`` completed (the forward that wrote the pages is
+        done on the device). Returns False, leaving the pages with the caller, when the room is
+        no longer live.
         """
         room = self.table.get(room_id)
         if room is None:
@@ -196,6 +203,7 @@ class KVSender:
         room.data["first_token"] = first_token
         room.data["first_logprob"] = first_logprob
         room.data["first_top_logprobs"] = tuple(first_top_logprobs)
+        room.data["kv_ready"] = kv_ready
         if room.state == _WAITING:
             self._begin(room)
         return True
@@ -362,6 +370,8 @@ class KVSender:
             self._after_write(room)
 
     async def _write_chunks(self, room: Room) -> None:
+        if not await self._kv_ready(room):
+            return
         src, dst = room.page_ids, room.data["dst"][: len(room.page_ids)]
         step = self.config.max_chunk_pages or len(src)
         bounds = list(range(0, len(src), step))
@@ -381,6 +391,18 @@ class KVSender:
             self._counters.bytes_sent += len(src[lo:hi]) * self.pool.page_bytes
             if not is_last:
                 self._fire(room, CHUNK_SENT)
+
+    async def _kv_ready(self, room: Room) -> bool:
+        """Wait (polling, bounded) until the forward that wrote the room's pages is done on the
+        device; False when the room ended meanwhile or failed for it."""
+        marker: KVReady = room.data.get("kv_ready", ALWAYS_READY)
+        timeout_s = self.config.kv_ready_timeout_s
+        if await wait_kv_ready(marker, timeout_s, lambda: room.is_terminal):
+            return not room.is_terminal
+        if not room.is_terminal:
+            self._counters.kv_not_ready += 1
+            self._fail_if_live(room, f"transfer_error: kv not ready after {timeout_s:.1f}s")
+        return False
 
     async def _data_notif(
         self, room: Room, chunk: int, is_last: bool, num_pages: int
@@ -539,6 +561,14 @@ class KVSender:
     def _check_register(self, msg: RegisterMsg, key: str) -> None:
         if msg.agent_name != key:
             raise ProtocolError(400, "bad_agent_name", f"agent_name must be {key!r}")
+        mismatches = self.layout.mismatches(msg.layout, us="prefill", them="decode")
+        if mismatches:
+            raise ProtocolError(
+                400,
+                "layout_mismatch",
+                f"KV layout of {key} differs from prefill {self.config.peer_key}: "
+                + "; ".join(mismatches),
+            )
         if msg.descriptor.page_bytes != self.pool.page_bytes:
             raise ProtocolError(
                 400,
