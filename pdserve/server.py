@@ -24,7 +24,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.protocol import GenerateOutput, GenerateRequest
 from pdserve.engine.runner_thread import RunnerThread
-from pdserve.metrics import EngineCollector, PrometheusObserver
+from pdserve.metrics import EngineCollector, PrometheusObserver, TransferMetrics
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.transport import KVReceiver, KVSender, TransportConfig
@@ -116,7 +116,8 @@ class Server:
 
         role = self.config.role
         if role == "prefill":
-            self.sender = KVSender(self._transport_config(runner), runner.kv_pool, release)
+            metrics = TransferMetrics(role, self.registry)
+            self.sender = KVSender(self._transport_config(runner), runner.kv_pool, release, metrics)
             await self.sender.start()
             engine.attach_handoff(PrefillHandoff(engine, self.sender), self.sender.bootstrap_port)
         elif role == "decode":
