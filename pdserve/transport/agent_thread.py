@@ -53,13 +53,11 @@ class _Xfer:
     done: WriteDone
 
 
-def bind_cuda_device(
-    tensor: Any, set_device: Callable[[int], None] = torch.cuda.set_device
-) -> int | None:
+def bind_cuda_device(tensor: Any, set_device: Callable[[int], None] | None = None) -> int | None:
     """Make ``tensor``'s GPU the calling thread's current CUDA device; its ordinal, or None."""
     device = cuda_device_of(tensor)
     if device is not None:
-        set_device(device)
+        (set_device or torch.cuda.set_device)(device)
     return device
 
 
