@@ -1,10 +1,10 @@
-"""The sender's decode peers: registration (layout check, NIXL metadata) and loss.
+"""The sender's decode peers: registration (layout check, NIXL metadata), liveness and loss.
 
 A registration is checked before anything is loaded (its agent name, its whole KV layout,
 its page bytes), then the peer's NIXL metadata is added (one peer operation at a time) and the
 peer recorded in the sender's :class:`~pdserve.transport.liveness.DecodePeerManager`. A lost
-peer (no heartbeat, a failed write, a restart) fails its rooms and its metadata is removed once
-no write of ours still uses it.
+peer (no heartbeat within two intervals: :meth:`PeerRegistrar.sweep_loop`; a failed write; a
+restart) fails its rooms and its metadata is removed once no write of ours still uses it.
 """
 
 from __future__ import annotations
@@ -92,6 +92,47 @@ class PeerRegistrar:
             if s.agent.has_peer(key):
                 await s.agent.remove_peer(key)
                 logger.info("decode peer %s: NIXL metadata removed", key)
+
+    async def sweep_loop(self) -> None:
+        """Every quarter heartbeat: lose peers silent for two intervals; prune abort memory."""
+        s = self.sender
+        period = s.config.heartbeat_interval_s / 4
+        loop = asyncio.get_running_loop()
+        expected = loop.time() + period
+        while True:
+            await asyncio.sleep(period)  # liveness sweep cadence
+            now = loop.time()
+            stalled = now - expected > s.config.heartbeat_interval_s
+            expected = now + period
+            if stalled:  # this loop was starved: heartbeats may be queued unread, judge next round
+                logger.warning("liveness sweep woke %.2fs late; not expiring peers this round",
+                               now - expected + period)  # fmt: skip
+                continue
+            for peer in s.peers.expired(now):
+                silent = now - peer.last_seen
+                self.lose(peer.key, f"peer_lost: no heartbeat for {silent:.2f}s")
+            s.prune_aborts(now)
+
+    def check_stale(self, engine_id: str, incarnation: str) -> None:
+        """Raise 409 (counted) for a message from a replaced incarnation."""
+        try:
+            self.sender.peers.check_not_stale(engine_id, incarnation)
+        except ProtocolError:
+            self.sender.counters.stale_rejected += 1
+            raise
+
+    def require(self, engine_id: str, incarnation: str) -> DecodePeer:
+        """The current registration of this incarnation (touched), else 409/404."""
+        self.check_stale(engine_id, incarnation)
+        return self.sender.peers.require(engine_id, incarnation, asyncio.get_running_loop().time())
+
+    def touch(self, engine_id: str, incarnation: str) -> bool:
+        """Record a sign of life; False when this incarnation is not (or no longer) registered."""
+        peer = self.sender.peers.get(engine_id)
+        if peer is None or peer.incarnation != incarnation:
+            return False
+        peer.last_seen = asyncio.get_running_loop().time()
+        return True
 
     def _check(self, msg: RegisterMsg, key: str) -> None:
         s = self.sender

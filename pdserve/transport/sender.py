@@ -33,7 +33,7 @@ from pdserve.transport.bootstrap import BootstrapServer, ProtocolError
 from pdserve.transport.config import TransportConfig, peer_key
 from pdserve.transport.faults import maybe_injector
 from pdserve.transport.layout import layout_of
-from pdserve.transport.liveness import DecodePeer, DecodePeerManager
+from pdserve.transport.liveness import DecodePeerManager
 from pdserve.transport.messages import (
     AbortMsg,
     AbortNotifMsg,
@@ -127,7 +127,7 @@ class KVSender:
         self._agent = KVAgent(self.config.peer_key, self.pool, loop, self._on_notif)
         self._agent.start()
         await self._server.start()
-        self._sweeper = loop.create_task(self._sweep_loop(), name="kv-sender-liveness")
+        self._sweeper = loop.create_task(self.registrar.sweep_loop(), name="kv-sender-liveness")
         logger.info(
             "sender %s started, bootstrap port %d", self.config.peer_key, self.bootstrap_port
         )
@@ -246,7 +246,7 @@ class KVSender:
     def on_room(self, room_id: str, msg: RoomMsg) -> None:
         """Destination pages of a room: create it or attach to the engine's room."""
         self._check_open()
-        peer = self._require_peer(msg.engine_id, msg.incarnation)
+        peer = self.registrar.require(msg.engine_id, msg.incarnation)
         if max(msg.page_ids) >= peer.descriptor.num_pages:
             raise ProtocolError(
                 400, "bad_page_ids", f"page id beyond the decode pool ({peer.descriptor.num_pages})"
@@ -270,9 +270,9 @@ class KVSender:
 
     def on_abort(self, room_id: str, msg: AbortMsg) -> AbortReplyMsg:
         """The decode aborted its room (or asks again whether the fence can lift)."""
-        self._check_stale(msg.engine_id, msg.incarnation)
+        self.registrar.check_stale(msg.engine_id, msg.incarnation)
         key = peer_key(msg.engine_id, msg.incarnation)
-        self._touch(msg.engine_id, msg.incarnation)
+        self.registrar.touch(msg.engine_id, msg.incarnation)
         self.counters.aborts_received += 1
         room = self.table.get(room_id)
         reason = f"aborted: by decode ({msg.reason})"
@@ -289,8 +289,8 @@ class KVSender:
 
     def on_heartbeat(self, msg: HeartbeatMsg) -> HeartbeatReplyMsg:
         """Record the decode's liveness; tell it whether we still know this incarnation."""
-        self._check_stale(msg.engine_id, msg.incarnation)
-        is_known = self._touch(msg.engine_id, msg.incarnation)
+        self.registrar.check_stale(msg.engine_id, msg.incarnation)
+        is_known = self.registrar.touch(msg.engine_id, msg.incarnation)
         return HeartbeatReplyMsg(self.config.engine_id, self.config.incarnation, is_known)
 
     # -- transfer (the writes themselves: pdserve.transport.writer) --------------------------
@@ -352,24 +352,6 @@ class KVSender:
         except (TransferError, TimeoutError) as e:  # the decode's fence retries cover a loss
             logger.info("room=%s abort notification to %s failed: %s", msg.room_id, agent_name, e)
 
-    async def _sweep_loop(self) -> None:
-        period = self.config.heartbeat_interval_s / 4
-        loop = asyncio.get_running_loop()
-        expected = loop.time() + period
-        while True:
-            await asyncio.sleep(period)  # liveness sweep cadence
-            now = loop.time()
-            stalled = now - expected > self.config.heartbeat_interval_s
-            expected = now + period
-            if stalled:  # this loop was starved: heartbeats may be queued unread, judge next round
-                logger.warning("liveness sweep woke %.2fs late; not expiring peers this round",
-                               now - expected + period)  # fmt: skip
-                continue
-            for peer in self.peers.expired(now):
-                silent = now - peer.last_seen
-                self.registrar.lose(peer.key, f"peer_lost: no heartbeat for {silent:.2f}s")
-            self._prune_aborts(now)
-
     # -- helpers -------------------------------------------------------------------------------
 
     def fail_if_live(self, room: Room, reason: str) -> None:
@@ -389,9 +371,10 @@ class KVSender:
         now = asyncio.get_running_loop().time()
         self._recent_aborts[room_id] = (now + self.config.deadlines.bootstrapping_s, reason)
         self._recent_aborts.move_to_end(room_id)
-        self._prune_aborts(now)
+        self.prune_aborts(now)
 
-    def _prune_aborts(self, now: float) -> None:
+    def prune_aborts(self, now: float) -> None:
+        """Forget aborted room ids past their window (and beyond ``max_recent_aborts``)."""
         recent = self._recent_aborts
         while recent and (
             len(recent) > self.config.max_recent_aborts or next(iter(recent.values()))[0] < now
@@ -401,24 +384,6 @@ class KVSender:
     def _check_open(self) -> None:
         if self._is_stopping:
             raise ProtocolError(503, "shutting_down", f"{self.config.peer_key} is stopping")
-
-    def _check_stale(self, engine_id: str, incarnation: str) -> None:
-        try:
-            self.peers.check_not_stale(engine_id, incarnation)
-        except ProtocolError:
-            self.counters.stale_rejected += 1
-            raise
-
-    def _require_peer(self, engine_id: str, incarnation: str) -> DecodePeer:
-        self._check_stale(engine_id, incarnation)
-        return self.peers.require(engine_id, incarnation, asyncio.get_running_loop().time())
-
-    def _touch(self, engine_id: str, incarnation: str) -> bool:
-        peer = self.peers.get(engine_id)
-        if peer is None or peer.incarnation != incarnation:
-            return False
-        peer.last_seen = asyncio.get_running_loop().time()
-        return True
 
     def _on_notif(self, agent_name: str, payload: bytes) -> None:
         # The decode side talks to us over HTTP only; anything arriving here is unexpected.
