@@ -13,6 +13,7 @@ from pdserve.engine.protocol import EngineError, GenerateOutput, GenerateRequest
 from pdserve.generate import generate as offline_generate
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
+from tests.fakes import FakeReady
 
 
 async def started(runner: ModelRunner, **cfg: object) -> Engine:
@@ -219,18 +220,6 @@ async def test_start_measures_decode_threads_unless_they_are_given(demo_dir, mon
     engine = await started(fixed)
     await engine.stop()
     assert calls == [] and fixed.decode_threads == 2
-
-
-class FakeReady:
-    """A KVReady marker that completes only when the test says so (counts its polls)."""
-
-    def __init__(self) -> None:
-        self.is_done = False
-        self.num_queries = 0
-
-    def query(self) -> bool:
-        self.num_queries += 1
-        return self.is_done
 
 
 async def test_pages_freed_during_a_step_wait_for_its_kv_writes(

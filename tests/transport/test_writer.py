@@ -4,21 +4,10 @@ from __future__ import annotations
 
 from pdserve.fsm import RoomState
 from pdserve.transport.observer import TransferObserver
+from tests.fakes import FakeReady
 from tests.transport.conftest import Endpoints, fill, outcome, pages_equal, until
 
 LOCAL = "127.0.0.1"
-
-
-class FakeReady:
-    """A KVReady marker that completes only when the test says so (counts its polls)."""
-
-    def __init__(self) -> None:
-        self.is_done = False
-        self.num_queries = 0
-
-    def query(self) -> bool:
-        self.num_queries += 1
-        return self.is_done
 
 
 async def test_no_write_is_posted_before_the_kv_is_ready_and_the_late_kv_arrives(
