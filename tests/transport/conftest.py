@@ -91,10 +91,14 @@ class Endpoints:
         self.started: list[KVSender | KVReceiver] = []
 
     async def sender(
-        self, engine_id: str = "prefill-0", observer: TransferObserver | None = None, **cfg: Any
+        self,
+        engine_id: str = "prefill-0",
+        observer: TransferObserver | None = None,
+        pool: KVPagePool | None = None,
+        **cfg: Any,
     ) -> tuple[KVSender, Releases]:
         rel = Releases()
-        sender = KVSender(make_config(engine_id, **cfg), make_pool(), rel, observer)
+        sender = KVSender(make_config(engine_id, **cfg), pool or make_pool(), rel, observer)
         await sender.start()
         self.started.append(sender)
         return sender, rel
