@@ -82,9 +82,6 @@ class ReceiverStats:
     released_immediately: int = 0  # failed rooms whose pages the sender never had
 
 
-# -- the receiver --------------------------------------------------------------------------------
-
-
 class KVReceiver:
     """Decode side of the KV transport. All methods run on the event loop."""
 
