@@ -196,11 +196,12 @@ class AgentThread:
         except Exception:
             self._forget(name)
             raise
-        # NIXL 1.5.1 does not report which UCX transports (cuda_ipc, rc, tcp, shm) a connection
-        # picked; what UCX was allowed to choose from is the most we can log.
+        # NIXL 1.5.1 does not report which UCX transports (cuda_ipc, rc, tcp, cma) a connection
+        # picked. UCX itself prints each endpoint's lanes at UCX_LOG_LEVEL=info ("ucp_worker.c
+        # ... rma(...) am(...)" lines on stderr); here, what UCX was allowed to choose from.
         logger.info(
-            "KV agent %s: connected to %s (%s -> %s, UCX transports not reported by NIXL; "
-            "UCX_TLS=%s)",
+            "KV agent %s: connected to %s (%s -> %s; UCX_TLS=%s; UCX_LOG_LEVEL=info prints the "
+            "transports UCX picked)",
             self.name, name, self.descriptor.mem_type, desc.mem_type, ucx_tls(),
         )  # fmt: skip
 
