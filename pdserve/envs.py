@@ -15,6 +15,12 @@ def quiet_nixl_logs() -> None:
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
 
 
+def ucx_tls() -> str:
+    """The UCX transports UCX may choose from (``UCX_TLS``), for logs: NIXL does not report
+    which ones a connection picked."""
+    return os.environ.get("UCX_TLS") or "unset (UCX picks among all available)"
+
+
 @dataclass(frozen=True)
 class Env:
     log_level: str = "INFO"

@@ -17,6 +17,7 @@ import torch
 from pdserve.engine.protocol import TokenLogprob
 from pdserve.kernels.attention import PrefillSeqMeta, additive_mask, decode_key_mask
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
+from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.linear import auto_fp32_min_rows
 from pdserve.kernels.sampling import (
     SamplerOutput,
@@ -69,11 +70,14 @@ class RunnerOutput:
     """One sampled token per input sequence, in input order.
 
     ``logprobs`` is None when no sequence asked for logprobs; otherwise it is aligned with the
-    input and holds None for the sequences that did not ask.
+    input and holds None for the sequences that did not ask. ``kv_ready`` completes once the
+    forward's KV writes are done on the device: what a KV transfer of these pages, or a reuse
+    of pages freed during the step, waits for (see pdserve.kernels.kv_ready).
     """
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
+    kv_ready: KVReady = ALWAYS_READY
 
 
 @dataclass
@@ -161,9 +165,11 @@ class ModelRunner:
         input_ids, batch, last_rows = self._prefill_batch(seqs)
         t1 = time.perf_counter()
         hidden = self.model.forward(input_ids, batch, self._paged_kv)
+        kv_ready = record_kv_ready(self.device)  # the room's pages are written before this
         logits = self.model.logits(hidden[last_rows])
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
+        out.kv_ready = kv_ready
         st = self.stats
         st.num_prefill_calls += 1
         st.num_prefill_tokens += input_ids.shape[0]
@@ -178,8 +184,10 @@ class ModelRunner:
         input_ids, batch = self._decode_batch(seqs)
         t1 = time.perf_counter()
         logits = self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
+        kv_ready = record_kv_ready(self.device)
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
+        out.kv_ready = kv_ready
         st = self.stats
         st.num_decode_steps += 1
         st.num_decode_tokens += len(seqs)

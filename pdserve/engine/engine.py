@@ -30,6 +30,7 @@ from pdserve.engine.runner_thread import RunnerThread
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
 from pdserve.kernels.kv_cache import PageAllocator
+from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, wait_kv_ready
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import CALIBRATION_BATCH
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
     from pdserve.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
+
+# Pages freed during a step wait for the step's KV writes to finish on the device; a marker
+# still incomplete after this long means a hung device: logged, and the pages stay held.
+_KV_READY_WARN_S = 30.0
 
 
 class Engine:
@@ -73,6 +78,8 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._stepping = False
         self._deferred_frees: list[int] = []
+        self._free_waits: set[asyncio.Task[None]] = set()  # frees waiting on a step's marker
+        self._last_kv_ready: KVReady = ALWAYS_READY  # the marker of the last step that ended
         # Deltas of the last step for requests that go on: emitted while the next step computes.
         self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
         self._ready = False
@@ -96,9 +103,10 @@ class Engine:
         self._ready = False
         for req in list(self._requests.values()):
             self._fail(req, EngineError("server shutting down", 503, "service_unavailable"))
-        if self._loop_task:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        tasks = [t for t in (self._loop_task, *self._free_waits) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._runner_thread.stop()
 
     @property
@@ -238,8 +246,10 @@ class Engine:
             # Overlap: the previous step's detokenization, stop-string checks and streaming run
             # on the loop while the runner thread computes this step.
             self._emit_deferred()
+            kv_ready = ALWAYS_READY  # a failed step: what it queued on the device is not known
             try:
                 out = await fut
+                kv_ready = out.kv_ready
             except Exception as e:  # a model error fails this batch, never the server
                 logger.exception("%s step failed for %d requests", batch.kind, len(seqs))
                 for req in batch.requests:
@@ -247,7 +257,7 @@ class Engine:
                 continue
             finally:
                 self._stepping = False
-                self._flush_frees()
+                self._flush_frees(kv_ready)
             self._apply(batch, out)
 
     def _apply(self, batch: Batch, out: RunnerOutput) -> None:
@@ -264,7 +274,9 @@ class Engine:
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(tok)
             if is_prefill:
-                if self.handoff is not None and self.handoff.on_prefilled(req, tok, lp):
+                if self.handoff is not None and self.handoff.on_prefilled(
+                    req, tok, lp, out.kv_ready
+                ):
                     continue
                 if req.state is RequestState.WAITING:
                     req.move(RequestState.RUNNING, "prefilled")
@@ -356,18 +368,36 @@ class Engine:
 
     def free_pages(self, pages: list[int]) -> None:
         # While a forward runs, its pages may still be written: defer frees to the step's end.
+        # After it, a page is reused (by a NIXL write, another room) only once the last step's
+        # KV writes are done on the device (at once on the CPU).
         if self._stepping:
             self._deferred_frees.extend(pages)
+        elif not self._last_kv_ready.query():
+            task = asyncio.get_running_loop().create_task(
+                self._free_when_ready(self._last_kv_ready, pages), name="pdserve-free-when-ready"
+            )
+            self._free_waits.add(task)
+            task.add_done_callback(self._free_waits.discard)
         else:
             self.allocator.free(pages)
             self._wake.set()
             if self.handoff is not None:
                 self.handoff.on_pages_freed()
 
-    def _flush_frees(self) -> None:
+    def _flush_frees(self, kv_ready: KVReady) -> None:
+        """At a step's end: free what it deferred, once ``kv_ready`` (the step's marker) is."""
+        self._last_kv_ready = kv_ready
         if self._deferred_frees:
             pages, self._deferred_frees = self._deferred_frees, []
             self.free_pages(pages)
+
+    async def _free_when_ready(self, kv_ready: KVReady, pages: list[int]) -> None:
+        while not await wait_kv_ready(kv_ready, _KV_READY_WARN_S):
+            logger.error(
+                "%d freed KV pages still wait for a step's device writes after %.0fs (device "
+                "hung?); they stay held", len(pages), _KV_READY_WARN_S,
+            )  # fmt: skip
+        self.free_pages(pages)
 
     # ---- deadlines -------------------------------------------------------------------------
     def arm(self, req: Request, seconds: float, label: str) -> None:
