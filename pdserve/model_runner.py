@@ -18,6 +18,7 @@ from pdserve.engine.protocol import TokenLogprob
 from pdserve.kernels.attention import PrefillSeqMeta, additive_mask, decode_key_mask
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.linear import auto_fp32_min_rows
+from pdserve.kernels.logits_processors import logits_processing_for
 from pdserve.kernels.sampling import (
     SamplerOutput,
     is_plain_greedy,
@@ -344,6 +345,10 @@ class ModelRunner:
     # ----- sampling -----------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> RunnerOutput:
+        processing = logits_processing_for(seqs, self.tokenizer.eos_token_ids, self.device)
+        if processing is not None:  # logit_bias, min_tokens, grammar masks: before any choice
+            with torch.inference_mode():  # the logits are inference tensors: edit them there
+                logits = processing.apply(logits)
         if is_plain_greedy(seqs):
             # The common case needs no per-row parameters: skip building them.
             return RunnerOutput(token_ids=argmax_rows(logits).tolist())
