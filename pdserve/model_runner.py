@@ -19,6 +19,11 @@ from pdserve.kernels.attention import PrefillSeqMeta, additive_mask, decode_key_
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.linear import auto_fp32_min_rows
 from pdserve.kernels.logits_processors import logits_processing_for
+from pdserve.kernels.prompt_logprobs import (
+    PromptLogprobs,
+    prompt_logprobs_for,
+    wants_prompt_logprobs,
+)
 from pdserve.kernels.sampling import (
     SamplerOutput,
     is_plain_greedy,
@@ -75,6 +80,7 @@ class RunnerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[PromptLogprobs | None] | None = None  # prefill, when some asked
 
 
 @dataclass
@@ -173,6 +179,11 @@ class ModelRunner:
         logits = self.model.logits(hidden[last_rows])
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
+        if any(wants_prompt_logprobs(s) for s in seqs):
+            with torch.inference_mode():
+                out.prompt_logprobs = prompt_logprobs_for(
+                    self.model.logits, hidden, batch.prefill_seqs, seqs
+                )
         st = self.stats
         st.num_prefill_calls += 1
         st.num_prefill_tokens += input_ids.shape[0]

@@ -23,6 +23,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many top
 
     @property
     def is_greedy(self) -> bool:

@@ -48,8 +48,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = ctx.engine
     parsed = parse_completion_request(body, ctx.config, engine.tokenizer.vocab_size)
     options = parsed.options
-    if options.echo and options.logprobs:
-        raise unsupported("echo", "prompt logprobs (echo with logprobs) are not available")
+    if options.echo and options.logprobs and engine.info.role != "colocated":
+        # The prompt's logits exist where it is prefilled; the decode leg answers the client.
+        raise unsupported("echo", "echo with logprobs needs a colocated worker")
     prepared = await prepare_completion(
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )

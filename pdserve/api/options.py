@@ -73,6 +73,7 @@ class RequestOptions:
             logit_bias=self.logit_bias,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
+            prompt_logprobs=self.top_logprobs if self.echo and self.logprobs else None,
         )
 
 

@@ -244,12 +244,21 @@ class CompletionResponseBuilder(ResponseBuilder):
         super().add(index, out)
 
     def _logprob_block(self, index: int, out: GenerateOutput) -> dict[str, Any] | None:
-        if not self.prepared.options.logprobs or not out.logprobs:
+        if not self.prepared.options.logprobs or not (out.logprobs or out.prompt_logprobs):
             return None
-        block, self._text_offsets[index] = completion_logprobs(
-            out.logprobs, self.texts, self._text_offsets[index]
-        )
-        return block
+        blocks = []
+        if out.prompt_logprobs:  # echo: the prompt's tokens come first, as their text does
+            prompt_ids = self.prepared.engine_requests[index].prompt_token_ids
+            block, self._text_offsets[index] = completion_logprobs(
+                out.prompt_logprobs, self.texts, self._text_offsets[index], prompt_ids
+            )
+            blocks.append(block)
+        if out.logprobs:
+            block, self._text_offsets[index] = completion_logprobs(
+                out.logprobs, self.texts, self._text_offsets[index]
+            )
+            blocks.append(block)
+        return blocks[0] if len(blocks) == 1 else merge_completion_logprobs(blocks)
 
     def _add_logprobs(self, index: int, out: GenerateOutput) -> None:
         block = self._logprob_block(index, out)

@@ -256,11 +256,16 @@ class Engine:
         finished now so the next step leaves them out; the others' deltas are deferred to
         :meth:`_emit_deferred`, which runs once the next step is submitted."""
         logprobs = out.logprobs or [None] * len(out.token_ids)
+        prompt_logprobs = out.prompt_logprobs or [None] * len(out.token_ids)
         is_prefill = batch.kind == "prefill"
         deferred = self._deferred_emits
-        for req, tok, lp in zip(batch.requests, out.token_ids, logprobs, strict=True):
+        for req, tok, lp, plp in zip(
+            batch.requests, out.token_ids, logprobs, prompt_logprobs, strict=True
+        ):
             if req.is_finished:
                 continue  # aborted, failed or stopped (stop string) while the step ran
+            if plp is not None:
+                req.prompt_logprobs = plp  # goes out with the first delta
             seq = req.seq
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(tok)
@@ -302,6 +307,8 @@ class Engine:
     # ---- outputs and endings ---------------------------------------------------------------
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         out = req.out_state.update(ids, logprobs)
+        if req.prompt_logprobs is not None:
+            out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         self.observer.on_tokens(req, len(ids))
         req.outputs.put(out)
         if out.finish_reason is not None:

@@ -55,6 +55,8 @@ class GenerateOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    # The first delta only, when asked: one entry per prompt token (the first is None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

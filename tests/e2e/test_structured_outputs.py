@@ -269,3 +269,33 @@ async def test_hostile_fields_are_400s_naming_the_field(oai: AsyncOpenAI, fields
     assert isinstance(body, dict) and body.get("param") == param, body
     again = await oai.chat.completions.create(model=MODEL, messages=_messages(), max_tokens=2)
     assert again.choices[0].finish_reason in ("length", "stop")
+
+
+async def test_echo_with_logprobs_scores_the_prompt_on_a_colocated_worker(
+    colocated: Proc, pd_cluster: Cluster
+):
+    async with AsyncOpenAI(base_url=f"{colocated.url}/v1", api_key="x", max_retries=0) as client:
+        out = await client.completions.create(
+            model=MODEL, prompt="one two three", max_tokens=3, temperature=0, echo=True,
+            logprobs=2,
+        )  # fmt: skip
+        choice = out.choices[0]
+        lp = choice.logprobs
+        num_prompt = out.usage.prompt_tokens
+        assert choice.text.startswith("one two three")
+        assert len(lp.tokens) == num_prompt + 3 and lp.token_logprobs[0] is None
+        assert lp.top_logprobs[0] is None
+        assert all(v <= 0 for v in lp.token_logprobs[1:])
+        assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+        # Greedy: each generated token is its own position's best.
+        for i in range(num_prompt, num_prompt + 3):
+            assert lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()))
+    base = f"{pd_cluster.router.url}/v1"
+    async with AsyncOpenAI(base_url=base, api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(
+                model=MODEL, prompt="x", max_tokens=2, echo=True, logprobs=1
+            )
+        assert info.value.body["param"] == "echo"
+        echoed = await client.completions.create(model=MODEL, prompt="abc", max_tokens=2, echo=True)
+        assert echoed.choices[0].text.startswith("abc")
