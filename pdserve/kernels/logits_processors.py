@@ -46,6 +46,13 @@ class LogitsProcessing:
         return logits
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Pinned staging on CUDA: the copy is queued on the stream, the host does not wait for it.
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
 def apply_grammar_masks(
     logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]
 ) -> None:
@@ -55,12 +62,15 @@ def apply_grammar_masks(
     bitmask = torch.empty((len(rows), words), dtype=torch.int32)
     for i, matcher in enumerate(matchers):  # one Rust call per constrained row
         matcher.fill_bitmask(bitmask[i])
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+    allowed = unpack_bitmask(_to_device(bitmask, logits.device), vocab)
     width = logits.shape[1]
     if width > vocab:  # the model's padded vocabulary: those ids are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, width - vocab), value=False)
-    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-    logits[index] = logits[index].masked_fill(~allowed[:, :width], _NEG_INF)
+    index = _to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
+    # index_copy_ rather than ``logits[index] = ...``: the CPU advanced-index write is ~10x
+    # slower than selecting, masking and copying the rows back.
+    masked = logits.index_select(0, index).masked_fill_(~allowed[:, :width], _NEG_INF)
+    logits.index_copy_(0, index, masked)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -108,11 +118,11 @@ def logits_processing_for(
             matchers.append(seq.grammar)
 
     def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+        return _to_device(torch.tensor(values, dtype=torch.int64), device)
 
     if b_rows:
         out.bias_rows, out.bias_ids = ints(b_rows), ints(b_ids)
-        out.bias_values = torch.tensor(b_vals, dtype=torch.float32).to(device, non_blocking=True)
+        out.bias_values = _to_device(torch.tensor(b_vals, dtype=torch.float32), device)
     if s_rows:
         out.suppress_rows, out.suppress_ids = ints(s_rows), ints(s_ids)
     if matchers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdserve.kernels.logits_processors import logits_processing_for, unpack_bitmask
@@ -10,6 +11,7 @@ from pdserve.sequence import Sequence
 
 CPU = torch.device("cpu")
 EOS = frozenset({7})
+DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
 
 def _seq(num_generated: int = 0, **params: object) -> Sequence:
@@ -63,11 +65,14 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     assert torch.isinf(out[2]).nonzero().flatten().tolist() == [6]
 
 
-def test_grammar_rows_keep_only_allowed_tokens_and_no_padded_ids() -> None:
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_grammar_rows_keep_only_allowed_tokens_and_no_padded_ids(device: torch.device) -> None:
     vocab, width = 40, 48  # the model's logits are wider than the tokenizer's vocabulary
-    constrained = _seq()
+    constrained = _seq(logit_bias={33: 1.0})
     constrained.grammar = FixedMatcher({0, 33, 39}, vocab)  # type: ignore[assignment]
-    free = _seq()
-    out = logits_processing_for([free, constrained], EOS, CPU).apply(torch.randn(2, width))
-    assert torch.isfinite(out[0]).all()
+    free = _seq(1, min_tokens=2)
+    logits = torch.zeros(2, width, device=device)
+    out = logits_processing_for([free, constrained], EOS, device).apply(logits).cpu()
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [7]
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 33, 39]
+    assert out[1, 33] == 1.0
