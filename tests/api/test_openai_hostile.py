@@ -73,7 +73,7 @@ CASES = [
     case("tool-choice", CHAT, C(tool_choice="required"), param="tool_choice"),
     case("json-mode", CHAT, C(response_format={"type": "json_object"}), param="response_format"),
     case("logit-bias", COMPLETIONS, P(logit_bias={"999": 10}), param="logit_bias.999"),
-    case("echo-logprobs", COMPLETIONS, P(echo=True, logprobs=1), param="echo"),
+    case("min-tokens-over-max", COMPLETIONS, P(min_tokens=5, max_tokens=2), param="min_tokens"),
     case("best-of", COMPLETIONS, P(best_of=3), param="best_of"),
     case("suffix", COMPLETIONS, P(suffix="end"), param="suffix"),
     case("token-out-of-vocab", COMPLETIONS, P([1, 99999]), param="prompt"),
