@@ -2,9 +2,10 @@
 
 Accepted, as in vLLM: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``),
 the extra fields ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
-(Lark syntax), and the newer ``structured_outputs`` object with keys ``json``, ``regex``,
-``choice``, ``grammar``, ``json_object``. At most one constraint per request; every failure is
-a 400 naming the field. Compilation (and its own errors) happens in :func:`compile_grammars`.
+(Lark, or GBNF ``root ::= ...`` as vLLM and llama.cpp write it), and the newer
+``structured_outputs`` object with keys ``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``. At most one constraint per request; every failure is a 400 naming the field.
+Compilation (and its own errors) happens in :mod:`pdserve.api.grammar_service`.
 """
 
 from __future__ import annotations

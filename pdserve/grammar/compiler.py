@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 from pdserve.grammar.matcher import GrammarMatcher
 from pdserve.grammar.spec import GrammarSpec
@@ -64,7 +65,11 @@ def grammar_text(spec: GrammarSpec) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec.source)
     if spec.kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark(spec.choice_lark())
-    return llguidance.LLMatcher.grammar_from_lark(spec.source)
+    try:  # Lark as is; GBNF (vLLM's and llama.cpp's EBNF, `root ::= ...`) converted to it
+        lark = any_to_lark(spec.source)
+    except Exception as exc:  # the converter's own parse errors, of any type
+        raise GrammarError(f"invalid grammar: {exc}") from exc
+    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 def validate_spec(spec: GrammarSpec, limits: GrammarLimits | None = None) -> None:

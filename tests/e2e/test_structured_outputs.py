@@ -114,7 +114,7 @@ def _messages(text: str = "Give me JSON.") -> list[dict[str, str]]:
 @pytest.mark.parametrize("seed", [None, 7])
 async def test_json_schema_answers_validate(oai: AsyncOpenAI, name: str, seed: int | None):
     schema = SCHEMAS[name]
-    sampling = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
+    sampling = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed, "n": 2}
     completion = await oai.chat.completions.create(
         model=MODEL,
         messages=_messages(),
@@ -125,9 +125,9 @@ async def test_json_schema_answers_validate(oai: AsyncOpenAI, name: str, seed: i
         },
         **sampling,
     )
-    choice = completion.choices[0]
-    assert choice.finish_reason == "stop", choice.message.content
-    jsonschema.validate(json.loads(choice.message.content), schema)
+    for choice in completion.choices:  # n=2: each choice advances its own matcher
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
 
 
 async def test_streamed_json_schema_validates_and_guided_fields_work(oai: AsyncOpenAI):
@@ -160,6 +160,11 @@ async def test_streamed_json_schema_validates_and_guided_fields_work(oai: AsyncO
     )
     text = regex.choices[0].text
     assert len(text) == 7 and text[4] == "-" and text[:4].isdigit(), text
+    gbnf = await oai.completions.create(
+        model=MODEL, prompt="Answer:", max_tokens=20, temperature=0.9, seed=5,
+        extra_body={"guided_grammar": 'root ::= ("yes" | "no") "!"'},
+    )  # fmt: skip
+    assert gbnf.choices[0].text in ("yes!", "no!") and gbnf.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True])

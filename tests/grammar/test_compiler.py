@@ -24,6 +24,9 @@ def test_each_kind_compiles_and_matches_what_it_describes(compiler, tokenizer) -
     assert _accepts(
         compiler, tokenizer, GrammarSpec("grammar", 'start: "x" ("y" | "z") "y"'), "xzy"
     )
+    gbnf = GrammarSpec("grammar", 'root ::= "a" digit+ \ndigit ::= [0-9]')
+    assert _accepts(compiler, tokenizer, gbnf, "a42") is False  # digit+ may go on: not done
+    assert compiler.compile(gbnf).accept_all(tokenizer.encode("a42", add_special_tokens=False))
     choice = GrammarSpec.choice(['say "hi"', "a|b", "ü"])
     assert _accepts(compiler, tokenizer, choice, 'say "hi"')
     assert _accepts(compiler, tokenizer, choice, "a|b")
@@ -57,6 +60,7 @@ def test_cache_is_bounded_lru(tokenizer) -> None:
         GrammarSpec.json_schema({"type": "nonsense"}),
         GrammarSpec("regex", "a("),
         GrammarSpec("grammar", "start: missing_rule"),
+        GrammarSpec("grammar", "root ::= undefined_rule"),
     ],
 )
 def test_invalid_specs_raise_grammar_error(compiler, spec: GrammarSpec) -> None:
