@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 from pdserve.api.errors import ApiError, bad_request, unsupported
@@ -21,6 +22,7 @@ class GrammarService:
         self._lock = threading.Lock()
 
     def _get_compiler(self, param: str) -> GrammarCompiler:
+        # Blocking (the token trie of a 150k vocabulary takes ~1 s): called off the loop.
         with self._lock:
             if self._compiler is None:
                 # pdserve's Tokenizer wraps a `tokenizers` one: llguidance reads its JSON.
@@ -36,16 +38,27 @@ class GrammarService:
             return self._compiler
 
     async def matchers(self, constraint: Constraint, num_choices: int) -> list[GrammarMatcher]:
-        """A fresh matcher per choice; the first compiles (off the loop, bounded), the rest copy."""
-        compiler = self._get_compiler(constraint.param)
+        """A fresh matcher per choice; the first compiles (off the loop, bounded), the rest copy.
+
+        Raises a 400 naming ``constraint.param`` when the grammar does not compile.
+        """
+        compiler = self._compiler
+        if compiler is None:
+            loop = asyncio.get_running_loop()
+            compiler = await loop.run_in_executor(None, self._get_compiler, constraint.param)
         try:
             first = await compiler.compile_async(constraint.spec)
         except GrammarError as exc:
             raise _invalid(constraint, str(exc)) from None
-        matchers = [first]
-        for _ in range(num_choices - 1):
-            matchers.append(compiler.compile(constraint.spec))  # a cache hit: a copy
-        return matchers
+        if num_choices == 1:
+            return [first]
+        # Cache hits (copies of the pristine matcher), still off the loop: an eviction in
+        # between would make one a compile.
+        spec = constraint.spec
+        rest = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [compiler.compile(spec) for _ in range(num_choices - 1)]
+        )
+        return [first, *rest]
 
 
 def _invalid(constraint: Constraint, detail: str) -> ApiError:
