@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Annotated, Literal
 
 import aiohttp
 import jsonschema
@@ -16,6 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
+from pydantic import BaseModel, Field
 
 from .conftest import Cluster, Proc
 
@@ -128,6 +130,21 @@ async def test_json_schema_answers_validate(oai: AsyncOpenAI, name: str, seed: i
     for choice in completion.choices:  # n=2: each choice advances its own matcher
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+class Weather(BaseModel):
+    city: Annotated[str, Field(max_length=8)]
+    unit: Literal["C", "F"]
+    days: Annotated[int, Field(ge=1, le=7)]
+
+
+async def test_openai_parse_with_a_pydantic_model(oai: AsyncOpenAI):
+    # The client derives a strict json_schema (additionalProperties false, titles, ...).
+    completion = await oai.chat.completions.parse(
+        model=MODEL, messages=_messages(), max_tokens=100, temperature=0, response_format=Weather
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Weather) and 1 <= parsed.days <= 7
 
 
 async def test_streamed_json_schema_validates_and_guided_fields_work(oai: AsyncOpenAI):
