@@ -19,6 +19,12 @@ from pdserve.kernels.attention import PrefillSeqMeta, additive_mask, decode_key_
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.linear import auto_fp32_min_rows
+from pdserve.kernels.logits_processors import logits_processing_for
+from pdserve.kernels.prompt_logprobs import (
+    PromptLogprobs,
+    prompt_logprobs_for,
+    wants_prompt_logprobs,
+)
 from pdserve.kernels.sampling import (
     SamplerOutput,
     is_plain_greedy,
@@ -78,6 +84,7 @@ class RunnerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
     kv_ready: KVReady = ALWAYS_READY
+    prompt_logprobs: list[PromptLogprobs | None] | None = None  # prefill, when some asked
 
 
 @dataclass
@@ -170,6 +177,11 @@ class ModelRunner:
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
         out.kv_ready = kv_ready
+        if any(wants_prompt_logprobs(s) for s in seqs):
+            with torch.inference_mode():
+                out.prompt_logprobs = prompt_logprobs_for(
+                    self.model.logits, hidden, batch.prefill_seqs, seqs
+                )
         st = self.stats
         st.num_prefill_calls += 1
         st.num_prefill_tokens += input_ids.shape[0]
@@ -344,6 +356,10 @@ class ModelRunner:
     # ----- sampling -----------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> RunnerOutput:
+        processing = logits_processing_for(seqs, self.tokenizer.eos_token_ids, self.device)
+        if processing is not None:  # logit_bias, min_tokens, grammar masks: before any choice
+            with torch.inference_mode():  # the logits are inference tensors: edit them there
+                logits = processing.apply(logits)
         if is_plain_greedy(seqs):
             # The common case needs no per-row parameters: skip building them.
             return RunnerOutput(token_ids=argmax_rows(logits).tolist())

@@ -202,6 +202,7 @@ class Engine:
                 400, "invalid_request_error", "context_length_exceeded",
             )  # fmt: skip
         seq = Sequence(request.request_id, list(request.prompt_token_ids), num_prompt, sp)
+        seq.grammar = request.grammar
         req = Request(request.request_id, seq, request.kv_transfer)
         req.out_state = OutputState(req.request_id, seq, self.tokenizer, self.info.max_model_len)
         self._requests[req.request_id] = req
@@ -265,14 +266,21 @@ class Engine:
         finished now so the next step leaves them out; the others' deltas are deferred to
         :meth:`_emit_deferred`, which runs once the next step is submitted."""
         logprobs = out.logprobs or [None] * len(out.token_ids)
+        prompt_logprobs = out.prompt_logprobs or [None] * len(out.token_ids)
         is_prefill = batch.kind == "prefill"
         deferred = self._deferred_emits
-        for req, tok, lp in zip(batch.requests, out.token_ids, logprobs, strict=True):
+        for req, tok, lp, plp in zip(
+            batch.requests, out.token_ids, logprobs, prompt_logprobs, strict=True
+        ):
             if req.is_finished:
                 continue  # aborted, failed or stopped (stop string) while the step ran
+            if plp is not None:
+                req.prompt_logprobs = plp  # goes out with the first delta
             seq = req.seq
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(tok)
+            if seq.grammar is not None and not self._advance_grammar(req, tok):
+                continue
             if is_prefill:
                 if self.handoff is not None and self.handoff.on_prefilled(
                     req, tok, lp, out.kv_ready
@@ -288,6 +296,18 @@ class Engine:
             else:
                 deferred.append((req, tok, lps))
 
+    def _advance_grammar(self, req: Request, token: int) -> bool:
+        """Move the request's matcher past ``token``; a rejected token fails the request (the
+        mask allowed it, so the matcher is in error: out of its parser limits)."""
+        grammar = req.seq.grammar
+        assert grammar is not None
+        if grammar.accept(token):
+            return True
+        reason = grammar.error or f"token {token} rejected"
+        logger.info("req=%s grammar failed: %s", req.request_id, reason)
+        self._fail(req, EngineError(f"structured output failed: {reason}", 500, "internal_error"))
+        return False
+
     def _emit_deferred(self) -> None:
         if not self._deferred_emits:
             return
@@ -299,6 +319,8 @@ class Engine:
     # ---- outputs and endings ---------------------------------------------------------------
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         out = req.out_state.update(ids, logprobs)
+        if req.prompt_logprobs is not None:
+            out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         self.observer.on_tokens(req, len(ids))
         req.outputs.put(out)
         if out.finish_reason is not None:
@@ -313,6 +335,9 @@ class Engine:
         seq.token_ids.append(first_token)
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
+        # The prefill sampled it under the same grammar: this matcher continues from there.
+        if seq.grammar is not None and not self._advance_grammar(req, first_token):
+            return
         self.emit(req, [first_token], [logprob] if logprob is not None else None)
         if not req.is_finished:
             self.scheduler.add_running(req)

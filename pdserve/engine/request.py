@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.mailbox import OutputMailbox
-from pdserve.engine.protocol import EngineError, KVTransferParams
+from pdserve.engine.protocol import EngineError, KVTransferParams, TokenLogprob
 from pdserve.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class Request:
     overall_deadline: asyncio.TimerHandle | None = None
     pages_in_room: bool = False  # decode: pages lent to a KV room (the room frees them on failure)
     out_state: OutputState | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # until the first delta takes them
     outputs: OutputMailbox = field(default_factory=OutputMailbox)
 
     @property

@@ -46,6 +46,7 @@ class SamplingTensors:
     output_tokens: torch.Tensor | None = None  # (B, max_output)
     max_top_logprobs: int = 0
     need_logprobs: bool = False
+    min_p: torch.Tensor | None = None  # float32 (B,), only when some row uses min_p
 
     def rows(self, index: torch.Tensor) -> SamplingTensors:
         """The truncation/noise parameters of the rows in ``index`` (no penalties/logprobs)."""
@@ -58,6 +59,7 @@ class SamplingTensors:
             repetition_penalty=self.repetition_penalty[index],
             frequency_penalty=self.frequency_penalty[index],
             presence_penalty=self.presence_penalty[index],
+            min_p=None if self.min_p is None else self.min_p[index],
         )
 
 
@@ -185,6 +187,19 @@ def _filter_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tenso
     return logits
 
 
+def apply_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask tokens whose probability (after temperature) is below ``min_p`` x the row's best.
+
+    ``p_v >= min_p * p_max`` is ``logit_v >= logit_max + T * log(min_p)``: one row threshold,
+    no softmax; ``min_p = 0`` gives a -inf threshold (nothing masked).
+    """
+    if t.min_p is None:
+        return logits
+    temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
+    floor = logits.amax(dim=1) + temperature * torch.log(t.min_p)
+    return logits.masked_fill(logits < floor.unsqueeze(1), float("-inf"))
+
+
 def _race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     # argmax p_v / E_v == argmax (logit_v - log E_v), E_v = -log u_v.
     return (logits - torch.log(-torch.log(noise))).argmax(dim=1)
@@ -225,9 +240,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if bool(is_greedy.all()):
         token_ids = argmax_rows(logits)
     elif bool(is_greedy.any()):
-        token_ids = torch.where(is_greedy, argmax_rows(logits), _random_sample(logits, t))
+        sampled = _random_sample(apply_min_p(logits, t), t)
+        token_ids = torch.where(is_greedy, argmax_rows(logits), sampled)
     else:
-        token_ids = _random_sample(logits, t)
+        token_ids = _random_sample(apply_min_p(logits, t), t)
     out = SamplerOutput(token_ids=token_ids)
     if t.need_logprobs:
         logprobs = logits.log_softmax(dim=1)
@@ -285,6 +301,8 @@ def sampling_tensors_for(seqs: list[Sequence], device: torch.device) -> Sampling
         max_top_logprobs=max(p.top_logprobs if p.logprobs else 0 for p in params),
         need_logprobs=any(p.logprobs for p in params),
     )
+    if any(p.min_p > 0 for p in params):
+        t.min_p = col([p.min_p for p in params], torch.float32)
     uses_penalty = any(
         p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
     )
