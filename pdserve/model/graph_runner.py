@@ -60,6 +60,8 @@ class DecodeGraphRunner:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and not (self.device.type == "cuda" and backend.supports_cuda_graph):
             raise ValueError("CUDA graphs need a CUDA device and a capturable attention backend")
+        # Counted from here: the static buffers belong to the graphs' memory too.
+        self._free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.use_graphs else 0
         # The static inputs: room for the largest bucket with a full-length block table.
         size = DECODE_FIELDS * max_num_seqs + 1 + max_num_seqs * self.max_pages
         self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
@@ -84,7 +86,6 @@ class DecodeGraphRunner:
         """Capture every bucket's graph, largest first, into one shared memory pool."""
         if not self.use_graphs:
             return
-        free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = None
         # Every captured row decodes on the scratch page: no live page is written.
         for bucket in reversed(self.buckets):
@@ -99,7 +100,8 @@ class DecodeGraphRunner:
             self._graphs[bucket] = graph
             self._batches[bucket] = batch
         torch.cuda.synchronize(self.device)
-        self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        free_now = torch.cuda.mem_get_info(self.device)[0]
+        self.graph_memory_bytes = max(0, self._free_at_start - free_now)
 
     def _fill_padding(self, bucket: int) -> None:
         """Inputs of ``bucket`` rows that all decode token 0 at the scratch page's slot 0."""
