@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.attention.backend import AttentionBackend, AttentionConfig, create_backend
+from pdserve.kernels import triton as triton_kernels
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.paged_decode import load_kernel
 from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch
@@ -24,7 +25,8 @@ NUM_DECODE_STEPS = 3
 
 
 def _backends(device: str) -> list[str]:
-    names = ["triton"]
+    """The backends other than torch that run on ``device`` here."""
+    names = ["triton"] if triton_kernels.is_available(torch.device(device)) else []
     if device == "cpu" and load_kernel(torch.float32, HEAD_DIM) is not None:
         names.append("cpp")
     return names

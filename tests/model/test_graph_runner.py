@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.kernels import triton as triton_kernels
 from pdserve.model.graph_runner import DecodeGraphRunner, batch_buckets
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sequence import Sequence
@@ -33,6 +34,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def runner(request: pytest.FixtureRequest, checkpoint: Path) -> ModelRunner:
     """The runner on each device (module scope: it cannot use the ``device`` fixture)."""
     backend, device = request.param
+    if backend == "triton" and not triton_kernels.is_available(torch.device(device)):
+        pytest.skip(f"Triton does not run on {device} here")
     config = RunnerConfig(
         str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=96,
         max_num_seqs=MAX_SEQS, attention_backend=backend, device=device,

@@ -16,8 +16,13 @@ import triton.language as tl
 
 from pdserve.kernels.triton.common import LOG2E, dot_precision, head_block, upcast_dots
 
-BLOCK_M = 32  # query rows per program
-BLOCK_N = 32  # keys per inner step
+SMALL_BLOCK = 32  # query rows per program and keys per step: the interpreter, big heads
+GPU_BLOCK = 64  # on a GPU for head_dim <= 128: fewer programs re-reading each key block
+
+
+def block_size(head_dim: int, device: torch.device) -> int:
+    """Query rows per program (= keys per inner step); a starting point, not tuned on a GPU."""
+    return GPU_BLOCK if device.type == "cuda" and head_dim <= 128 else SMALL_BLOCK
 
 
 @triton.jit
@@ -111,14 +116,15 @@ def extend_attention(
     page_size, num_kv_heads = layer_pool.shape[2], layer_pool.shape[3]
     assert q.stride(2) == 1 and layer_pool.stride(4) == 1, "head_dim must be contiguous"
     out = torch.empty_like(q)
-    grid = (block_table.shape[0], num_heads, triton.cdiv(max_new, BLOCK_M))
+    block = block_size(head_dim, q.device)
+    grid = (block_table.shape[0], num_heads, triton.cdiv(max_new, block))
     _extend_kernel[grid](
         q, layer_pool, block_table, q_starts, num_new, num_cached, out,
         scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         layer_pool.stride(0), layer_pool.stride(1), layer_pool.stride(2), layer_pool.stride(3),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=head_block(head_dim),
+        BLOCK_M=block, BLOCK_N=block, BLOCK_D=head_block(head_dim),
         HAS_WINDOW=sliding_window is not None, PRECISION=dot_precision(q.dtype),
         UPCAST=upcast_dots(q.device),
     )  # fmt: skip

@@ -74,3 +74,9 @@ def test_extend_small_pages_and_every_prompt_length(device: str) -> None:
     seqs = [(0, n) for n in range(1, 10)] + [(c, 3) for c in range(1, 6)]
     out, ref = _extend(device, torch.float32, 2, 64, None, page_size=4, seqs=seqs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_prompt_spanning_several_query_blocks(device: str) -> None:
+    """More rows than a program's block on any device (32 here, 64 on a GPU), after a prefix."""
+    out, ref = _extend(device, torch.float32, 1, 64, None, num_kv_heads=1, seqs=[(9, 150)])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
