@@ -96,3 +96,8 @@ def test_num_splits_fill_the_device_and_stay_powers_of_two() -> None:
     for n in (1, 3, 7, 33):
         splits = triton_decode.num_splits_for(n, 2, 132)
         assert splits & (splits - 1) == 0
+
+
+def test_decode_head_dim_that_is_not_a_power_of_two(device: str) -> None:
+    out, ref = _decode(device, torch.float32, 2, 80, None, num_splits=2, lens=[3, 21])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -80,3 +80,8 @@ def test_extend_prompt_spanning_several_query_blocks(device: str) -> None:
     """More rows than a program's block on any device (32 here, 64 on a GPU), after a prefix."""
     out, ref = _extend(device, torch.float32, 1, 64, None, num_kv_heads=1, seqs=[(9, 150)])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_head_dim_that_is_not_a_power_of_two(device: str) -> None:
+    out, ref = _extend(device, torch.float32, 2, 80, None, num_kv_heads=1, seqs=[(0, 7), (5, 4)])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
