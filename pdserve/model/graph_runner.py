@@ -10,7 +10,10 @@ All graphs share one memory pool (they never run at the same time), captured lar
 
 Without graphs (``use_graphs=False``, and always on a CPU) the same bookkeeping runs eagerly:
 bucket choice, padding onto the scratch page, the static buffer refilled, the output sliced.
-This is how CPU CI tests it; CPU serving does not use this class.
+With a capturable backend the eager forward even runs on the very views a graph would have
+been captured on (full-width table, static workspace), refilled each step: a backend that
+kept a host value from capture time gives wrong results there too, which CPU CI then sees.
+CPU serving does not use this class.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class DecodeGraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._batches: dict[int, ForwardBatch] = {}  # the views each graph was captured on
         self.graph_memory_bytes = 0
-        if self.use_graphs:
+        if backend.supports_cuda_graph:
             backend.init_cuda_graph_state(max_num_seqs)
 
     def bucket_for(self, num_seqs: int) -> int:
@@ -83,8 +86,12 @@ class DecodeGraphRunner:
         return 1 <= num_seqs <= self.max_num_seqs
 
     def capture(self) -> None:
-        """Capture every bucket's graph, largest first, into one shared memory pool."""
+        """Capture every bucket's graph, largest first, into one shared memory pool (without
+        graphs: only the capture-time views of a capturable backend)."""
         if not self.use_graphs:
+            if self.backend.supports_cuda_graph:
+                for bucket in self.buckets:
+                    self._batches[bucket] = decode_batch_views(self.inputs, bucket, self.max_pages)
             return
         pool = None
         # Every captured row decodes on the scratch page: no live page is written.
@@ -118,9 +125,12 @@ class DecodeGraphRunner:
         host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.inputs[: host.numel()].copy_(host, non_blocking=True)
         prepared = time.perf_counter()
-        if self.use_graphs:
+        if bucket in self._batches:  # the captured views, refilled
             self.backend.init_forward_metadata_replay(self._batches[bucket])
-            self._graphs[bucket].replay()
+            if self.use_graphs:
+                self._graphs[bucket].replay()
+            else:
+                self.hidden[:bucket] = self.model.forward(self._batches[bucket], self.backend)
         else:
             lens = [s.num_tokens for s in seqs] + [1] * (bucket - num_seqs)  # padding: length 1
             batch = decode_batch_views(self.inputs, bucket, width, min(lens), max(lens))
