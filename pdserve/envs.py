@@ -21,6 +21,13 @@ def ucx_tls() -> str:
     return os.environ.get("UCX_TLS") or "unset (UCX picks among all available)"
 
 
+def triton_interpreter_enabled() -> bool:
+    """``TRITON_INTERPRET=1``: Triton kernels run on the CPU in its interpreter (how CPU CI
+    exercises the GPU attention kernels). Triton reads the variable itself; pdserve reads it
+    only to know whether its Triton backend can run on a CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 @dataclass(frozen=True)
 class Env:
     log_level: str = "INFO"

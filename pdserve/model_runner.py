@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.attention.backend import AttentionConfig, create_backend
 from pdserve.engine.protocol import TokenLogprob
-from pdserve.kernels.attention import PrefillSeqMeta, additive_mask, decode_key_mask
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.linear import auto_fp32_min_rows
@@ -34,7 +34,9 @@ from pdserve.kernels.sampling import (
 from pdserve.kernels.topk import argmax_rows
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtype import resolve_dtype
-from pdserve.model.llama import ForwardBatch, LlamaModel, PagedKV
+from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch
+from pdserve.model.graph_runner import DecodeGraphRunner
+from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_weights, stored_dtype
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.sequence import Sequence
@@ -69,6 +71,11 @@ class RunnerConfig:
     # False for a worker that never prefills prompts (the decode role): auto then makes no
     # float32 copies where the bf16 kernel runs (see auto_fp32_min_rows).
     prefills_prompts: bool = True
+    # "auto" | "torch" | "cpp" | "triton" (pdserve.attention.backend): auto picks the C++ kernel
+    # on CPUs, Triton on CUDA, torch where neither runs.
+    attention_backend: str = "auto"
+    # Decode without CUDA graphs (always so on CPU, and with a backend that cannot be captured).
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -123,19 +130,37 @@ class ModelRunner:
         )
         # The transport registers this tensor with NIXL: it is never reallocated.
         self.kv_pool = KVPagePool(self.kv_config, device=self.device)
-        self._paged_kv = PagedKV.of(self.kv_pool)
-        # Reused every decode step by the key mask (read only).
-        max_keys = self.max_model_len + self.kv_config.page_size
-        self._key_positions = torch.arange(max_keys, device=self.device)
-        self._zero_mask_row = torch.zeros(max_keys, dtype=self.dtype, device=self.device)
+        self.attn_backend = create_backend(
+            config.attention_backend, AttentionConfig.of(mc, self.max_model_len), self.kv_pool
+        )
+        self.graph_runner: DecodeGraphRunner | None = None
+        if self._use_cuda_graphs():
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.attn_backend, config.max_num_seqs, self.max_model_len
+            )
+            self.graph_runner.capture()
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
         logger.info(
-            "runner ready: %s, %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d",
+            "runner ready: %s, %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d, "
+            "%s attention, %s decode",
             mc.architecture, self.dtype, self.kv_config.num_pages, self.kv_config.page_size,
             self.kv_config.num_pages * self.kv_config.page_bytes / 2**20, self.max_model_len,
+            self.attn_backend.name, "graph" if self.graph_runner else "eager",
         )  # fmt: skip
+
+    def _use_cuda_graphs(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.attn_backend.supports_cuda_graph
+        )
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        """Device memory the captured decode graphs hold (0 when decoding eagerly)."""
+        return self.graph_runner.graph_memory_bytes if self.graph_runner else 0
 
     def _kv_config(self, mc: ModelConfig) -> KVCacheConfig:
         c = self.config
@@ -169,9 +194,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._check_seqs(seqs, is_decode=False)
         self._use_threads(self.prefill_threads)
-        input_ids, batch, last_rows = self._prefill_batch(seqs)
+        batch, last_rows = self._extend_batch(seqs)
         t1 = time.perf_counter()
-        hidden = self.model.forward(input_ids, batch, self._paged_kv)
+        hidden = self._forward(batch)
         kv_ready = record_kv_ready(self.device)  # the room's pages are written before this
         logits = self.model.logits(hidden[last_rows])
         t2 = time.perf_counter()
@@ -184,7 +209,7 @@ class ModelRunner:
                 )
         st = self.stats
         st.num_prefill_calls += 1
-        st.num_prefill_tokens += input_ids.shape[0]
+        st.num_prefill_tokens += batch.input_ids.shape[0]
         st.prefill_seconds += self._record(t0, t1, t2)
         return out
 
@@ -193,9 +218,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._check_seqs(seqs, is_decode=True)
         self._use_threads(self.decode_threads)
-        input_ids, batch = self._decode_batch(seqs)
-        t1 = time.perf_counter()
-        logits = self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
+        t1, hidden = self._decode_hidden(seqs)
+        logits = self.model.logits(hidden)
         kv_ready = record_kv_ready(self.device)
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
@@ -245,16 +269,14 @@ class ModelRunner:
         """Float32 logits ``(B, vocab)`` at each sequence's last token; writes K/V of new tokens."""
         self._check_seqs(seqs, is_decode=False)
         self._use_threads(self.prefill_threads)
-        input_ids, batch, last_rows = self._prefill_batch(seqs)
-        hidden = self.model.forward(input_ids, batch, self._paged_kv)
-        return self.model.logits(hidden[last_rows])
+        batch, last_rows = self._extend_batch(seqs)
+        return self.model.logits(self._forward(batch)[last_rows])
 
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` after each sequence's last token; writes its K/V."""
         self._check_seqs(seqs, is_decode=True)
         self._use_threads(self.decode_threads)
-        input_ids, batch = self._decode_batch(seqs)
-        return self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
+        return self.model.logits(self._decode_hidden(seqs)[1])
 
     # ----- batch construction -------------------------------------------------------------
 
@@ -273,85 +295,21 @@ class ModelRunner:
                     f"(cached {s.num_cached_tokens} of {s.num_tokens})"
                 )
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def _extend_batch(self, seqs: list[Sequence]) -> tuple[ForwardBatch, torch.Tensor]:
+        return extend_batch(seqs, self.kv_config.page_size, self.kv_pool.scratch_page, self.device)
 
-    def _prefill_batch(
-        self, seqs: list[Sequence]
-    ) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
-        page_size = self.kv_config.page_size
-        new_ids: list[int] = []
-        metas: list[PrefillSeqMeta] = []
-        for s in seqs:
-            metas.append(
-                PrefillSeqMeta(
-                    q_start=len(new_ids),
-                    num_new=s.num_tokens - s.num_cached_tokens,
-                    num_cached=s.num_cached_tokens,
-                    page_ids=self._tensor(s.page_ids[: -(-s.num_tokens // page_size)]),
-                )
-            )
-            new_ids.extend(s.token_ids[s.num_cached_tokens :])
-        num_new = self._tensor([m.num_new for m in metas])
-        starts = self._tensor([m.q_start for m in metas])
-        cached = self._tensor([m.num_cached for m in metas])
-        # position of packed row r of sequence i: r - start_i + cached_i
-        row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), num_new)
-        positions = torch.arange(len(new_ids), device=self.device) - (starts - cached)[row_seq]
-        pages = torch.cat([m.page_ids for m in metas])
-        first_page = torch.cumsum(torch.tensor([0] + [len(m.page_ids) for m in metas[:-1]]), 0)
-        page_idx = pages[first_page.to(self.device)[row_seq] + positions // page_size]
-        batch = ForwardBatch(
-            positions=positions,
-            page_idx=page_idx,
-            page_offset=positions % page_size,
-            prefill_seqs=metas,
-        )
-        last_rows = starts + num_new - 1
-        return self._tensor(new_ids), batch, last_rows
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model.forward(batch, self.attn_backend)
 
-    def _decode_batch(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ForwardBatch]:
-        page_size = self.kv_config.page_size
-        num_seqs = len(seqs)
-        lens = [s.num_tokens for s in seqs]
-        max_pages = -(-max(lens) // page_size)
-        # Everything the step needs in one Python list -> one tensor, sliced into views: the
-        # per-token values are a handful of ints per sequence, cheaper in Python than as a
-        # chain of small torch ops. Padding entries point at page 0; the key mask hides them.
-        flat = [s.token_ids[-1] for s in seqs] + lens
-        flat += [s.page_ids[(n - 1) // page_size] for s, n in zip(seqs, lens, strict=True)]
-        flat += [(n - 1) % page_size for n in lens]
-        for s in seqs:
-            pages = s.page_ids[:max_pages]
-            flat += pages
-            flat += [0] * (max_pages - len(pages))
-        data = self._tensor(flat)
-        input_ids, context_lens, page_idx, page_offset = data[: 4 * num_seqs].view(4, num_seqs)
-        batch = ForwardBatch(
-            positions=context_lens - 1,
-            page_idx=page_idx,
-            page_offset=page_offset,
-            block_table=data[4 * num_seqs :].view(num_seqs, max_pages),
-            context_lens=context_lens,
-            # The C++ decode kernel reads context_lens itself: no mask to build.
-            key_mask=None
-            if self.model.decode_kernel is not None
-            else self._key_mask(seqs, context_lens, max_pages * page_size),
-        )
-        return input_ids, batch
-
-    def _key_mask(
-        self, seqs: list[Sequence], context_lens: torch.Tensor, max_len: int
-    ) -> torch.Tensor | None:
-        window = self.model_config.sliding_window
-        is_windowed = window is not None and max_len > window
-        if not is_windowed and all(s.num_tokens == max_len for s in seqs):
-            return None  # every key of every sequence is visible: no mask at all
-        if is_windowed:
-            return additive_mask(decode_key_mask(context_lens, max_len, window), self.dtype)
-        # Additive mask in one pass: 0 where key position < length, -inf from it on.
-        is_hidden = self._key_positions[:max_len] >= context_lens.unsqueeze(1)
-        return self._zero_mask_row[:max_len].masked_fill(is_hidden, float("-inf"))
+    def _decode_hidden(self, seqs: list[Sequence]) -> tuple[float, torch.Tensor]:
+        """The decode step's hidden states ``(B, hidden)`` (from a graph replay where captured),
+        and when the batch was built (the end of the step's prepare phase)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
+            return self.graph_runner.run(seqs)
+        batch = decode_batch(seqs, self.kv_config.page_size, self.kv_pool.scratch_page, self.device)
+        t1 = time.perf_counter()
+        return t1, self._forward(batch)
 
     # ----- sampling -----------------------------------------------------------------------
 
