@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.attention.backend import AttentionConfig, create_backend
+from pdserve.attention.backend import AttentionConfig
+from pdserve.attention.factory import create_backend
 from pdserve.engine.protocol import TokenLogprob
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready

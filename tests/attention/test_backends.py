@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.attention.backend import AttentionBackend, AttentionConfig, create_backend
+from pdserve.attention.backend import AttentionBackend, AttentionConfig
+from pdserve.attention.factory import create_backend
 from pdserve.kernels import triton as triton_kernels
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.paged_decode import load_kernel

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.attention.backend import AttentionConfig, choose_backend, create_backend
+from pdserve.attention.backend import AttentionConfig
+from pdserve.attention.factory import choose_backend, create_backend
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.paged_decode import load_kernel
 
