@@ -11,6 +11,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs, read_env
 
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
@@ -22,7 +23,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
+    p.add_argument(
+        "--kv-cache-mb", type=int, default=None,
+        help="KV cache size in MiB (default: 512 on CPU; on CUDA what --gpu-memory-utilization "
+        "leaves after weights, activations and CUDA graphs)",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-prefill-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -53,6 +58,7 @@ def _threads_or_auto(value: str) -> int | None:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_device_args(p, DEFAULT_GPU_MEMORY_UTILIZATION)
     p.add_argument("--role", default="colocated", choices=["prefill", "decode", "colocated"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 30001 prefill, 30002 decode")

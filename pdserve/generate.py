@@ -13,6 +13,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
+from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model.tokenizer import IncrementalDetokenizer
 from pdserve.model_runner import ModelRunner, RunnerConfig
@@ -126,8 +127,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    add_device_args(p, DEFAULT_GPU_MEMORY_UTILIZATION)
+    p.add_argument(
+        "--kv-cache-mib", type=int, default=None,
+        help="default: 512 on CPU; on CUDA sized from --gpu-memory-utilization",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     return p.parse_args(argv)
 
@@ -161,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             model_dir=args.model,
             dtype=args.dtype,
             device=args.device,
-            kv_cache_bytes=args.kv_cache_mib * 2**20,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
+            num_pages=args.num_gpu_blocks,
+            kv_cache_bytes=args.kv_cache_mib * 2**20 if args.kv_cache_mib else None,
         )
     )
     sampling = SamplingParams(

@@ -24,10 +24,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runner(checkpoint: Path) -> ModelRunner:
-    return ModelRunner(
-        RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=128)
-    )
+def runners() -> dict[str, ModelRunner]:
+    return {}  # one runner per device, built on first use
+
+
+@pytest.fixture
+def runner(runners: dict[str, ModelRunner], checkpoint: Path, device: str) -> ModelRunner:
+    if device not in runners:
+        runners[device] = ModelRunner(
+            RunnerConfig(
+                str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=128, device=device
+            )
+        )
+    return runners[device]
 
 
 class PageBook:
@@ -233,3 +242,18 @@ def test_a_decode_only_runner_makes_no_float32_weight_copies(checkpoint: Path) -
     book = PageBook()
     tokens = [r.prefill([book.seq("a", [5, 6, 7, 8, 9])]).token_ids for r in (both, decode_only)]
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_runner_without_a_gpu_is_refused_naming_the_field(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match=r"RunnerConfig\.device='cuda:0': CUDA is not available"):
+        ModelRunner(RunnerConfig(str(checkpoint), device="cuda:0"))
+
+
+def test_cpu_pool_defaults_to_512_mib_and_an_explicit_page_count_wins(checkpoint: Path) -> None:
+    cfg = RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE)
+    default = ModelRunner(cfg)
+    assert default.kv_config.num_pages == (512 << 20) // default.kv_config.page_bytes
+    assert default.kv_sizing is None  # sized from memory on CUDA only
+    explicit = ModelRunner(dataclasses.replace(cfg, num_pages=10, kv_cache_bytes=1 << 30))
+    assert explicit.kv_config.num_pages == 10
