@@ -75,3 +75,21 @@ def test_only_the_decode_role_is_told_it_never_prefills_prompts(
 def test_decode_threads_must_be_auto_or_a_positive_count(value: str) -> None:
     with pytest.raises(SystemExit):
         parse("--decode-threads", value)
+
+
+def test_device_flags_reach_the_runner_config(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    default = server_config_from_args(parse("--model", str(tmp_path))).runner
+    assert (default.device, default.gpu_memory_utilization, default.enforce_eager) == (
+        "cpu", 0.9, False
+    )  # fmt: skip
+    assert default.kv_cache_bytes is None and default.num_pages is None  # sized by the runner
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    args = parse("--model", str(tmp_path), "--device", "cuda:0", "--gpu-memory-utilization",
+                 "0.5", "--enforce-eager", "--num-gpu-blocks", "300",
+                 "--kv-cache-mb", "64")  # fmt: skip
+    runner = server_config_from_args(args).runner
+    assert (runner.device, runner.gpu_memory_utilization, runner.enforce_eager) == (
+        "cuda:0", 0.5, True
+    )  # fmt: skip
+    assert (runner.num_pages, runner.kv_cache_bytes) == (300, 64 << 20)

@@ -48,7 +48,7 @@ class HostFlags:
 
     all_greedy: bool
     any_greedy: bool
-    top_k_max: int  # the largest top_k of the rows using one; 0: no row does
+    top_ks: frozenset[int]  # the top_k values (> 0) of the rows using one
     any_top_p: bool
 
 
@@ -94,7 +94,7 @@ class SamplingTensors:
         return HostFlags(
             all_greedy=bool(is_greedy.all()),
             any_greedy=bool(is_greedy.any()),
-            top_k_max=int(self.top_k[uses_k].max()) if bool(uses_k.any()) else 0,
+            top_ks=frozenset(self.top_k[uses_k].tolist()),
             any_top_p=bool((self.top_p < 1.0).any()),
         )
 
@@ -222,10 +222,11 @@ def _filter_top_k_top_p(
     """
     vocab = logits.shape[1]
     flags = t.host_flags()
-    if flags.top_k_max > 0:
+    truncating = [k for k in flags.top_ks if k < vocab]  # top_k >= vocab keeps every token
+    if truncating:
         k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
         has_top_k = k < vocab
-        kth = _kth_largest(logits, k, has_top_k, min(flags.top_k_max, vocab))
+        kth = _kth_largest(logits, k, has_top_k, max(truncating))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if flags.any_top_p:
         probs = logits.softmax(dim=1)
@@ -374,7 +375,6 @@ def sampling_tensors_for(seqs: list[Sequence], device: torch.device) -> Sampling
     )
     top_k, seeds, positions = ints[: 3 * num_seqs].view(3, num_seqs).unbind(0)
     temperature, top_p, repetition, frequency, presence = floats.view(5, num_seqs).unbind(0)
-    top_ks = [p.top_k for p in params if p.top_k > 0]
     t = SamplingTensors(
         temperature=temperature,
         top_k=top_k,
@@ -389,7 +389,7 @@ def sampling_tensors_for(seqs: list[Sequence], device: torch.device) -> Sampling
         host=HostFlags(
             all_greedy=all(greedy),
             any_greedy=any(greedy),
-            top_k_max=max(top_ks, default=0),
+            top_ks=frozenset(p.top_k for p in params if p.top_k > 0),
             any_top_p=any(p.top_p < 1.0 for p in params),
         ),
     )

@@ -90,6 +90,16 @@ def test_sampler_on_each_device_agrees_with_the_cpu(seed: int, device: str) -> N
         assert here.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_host_flags_say_what_the_tensors_say(seed: int) -> None:
+    _, seqs = _batch(seed, 4096)
+    t = sampling_tensors_for(seqs, torch.device("cpu"))
+    assert t.host is not None
+    built = t.host
+    t.host = None
+    assert t.host_flags() == built
+
+
 def test_fixed_step_bisection_equals_the_early_exit_one() -> None:
     gen = torch.Generator().manual_seed(3)
     for scale in (0.01, 1.0, 20.0):
