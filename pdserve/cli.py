@@ -8,6 +8,7 @@ import signal
 import sys
 
 from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logging
+from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 
@@ -16,6 +17,7 @@ DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_device_args(p, DEFAULT_GPU_MEMORY_UTILIZATION)
     p.add_argument("--role", default="colocated", choices=["prefill", "decode", "colocated"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 30001 prefill, 30002 decode")

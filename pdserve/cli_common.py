@@ -41,7 +41,11 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
         "CPU); an explicit dtype converts the weights on load (float16: CUDA only)",
     )  # fmt: skip
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
+    p.add_argument(
+        "--kv-cache-mb", type=int, default=None,
+        help="KV cache size in MiB (default: 512 on CPU; on CUDA what --gpu-memory-utilization "
+        "leaves after weights, activations and CUDA graphs)",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-prefill-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None)

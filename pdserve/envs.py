@@ -33,6 +33,8 @@ class Env:
     log_level: str = "INFO"
     model_dir: str | None = None
     api_key: str | None = None
+    # OUT: where a device machine's job leaves files to bring back (bench/gpu_check.py).
+    results_dir: str | None = None
 
 
 def read_env() -> Env:
@@ -40,4 +42,5 @@ def read_env() -> Env:
         log_level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
         model_dir=os.environ.get("PDSERVE_MODEL") or None,
         api_key=os.environ.get("PDSERVE_API_KEY") or None,
+        results_dir=os.environ.get("OUT") or None,
     )

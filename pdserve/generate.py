@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cli_common import UNSERVABLE, DeprecatedAlias, add_runner_args, setup_logging
 from pdserve.config_builder import runner_config_from_args
+from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model.tokenizer import IncrementalDetokenizer
 from pdserve.model_runner import ModelRunner
@@ -128,7 +129,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--device", default="cpu")
+    add_device_args(p, DEFAULT_GPU_MEMORY_UTILIZATION)
     add_runner_args(p)
     p.add_argument(
         "--kv-cache-mib", action=DeprecatedAlias, new="--kv-cache-mb", dest="kv_cache_mb", type=int
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print("pdserve generate: give at least one --prompt or --prompt-ids", file=sys.stderr)
         return 2
     setup_logging(args.log_level)
-    config = dataclasses.replace(runner_config_from_args(args), device=args.device)
+    config = runner_config_from_args(args)
     try:
         runner = ModelRunner(config)
     except UNSERVABLE as e:

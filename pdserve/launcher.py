@@ -14,6 +14,13 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from pdserve.cli_common import add_model_args, resolve_model_dir, served_model_name
+from pdserve.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    add_device_args,
+    device_arg,
+    is_cpu,
+    same_physical_device,
+)
 from pdserve.lifetime import parent_death_preexec
 from pdserve.model.config import ModelConfig, ModelDirError
 
@@ -28,6 +35,8 @@ class ClusterConfig:
     bootstrap_port: int = 8998
     ready_timeout_s: float = 600.0
     extra_worker_args: tuple[str, ...] = ()  # both workers
+    prefill_args: tuple[str, ...] = ()  # the prefill worker only (its device)
+    decode_args: tuple[str, ...] = ()  # the decode worker only
     # Both workers share this machine's cores: their model steps take turns (engine/cpu_lease.py).
     cpu_lease_path: str | None = None
 
@@ -70,9 +79,10 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
     decode_url = f"http://{host}:{cfg.decode_port}"
     return [
         ("prefill", ["serve", "--role", "prefill", "--port", str(cfg.prefill_port),
-                     "--bootstrap-port", str(cfg.bootstrap_port), *common], prefill_url),
-        ("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common],
-         decode_url),
+                     "--bootstrap-port", str(cfg.bootstrap_port), *common, *cfg.prefill_args],
+         prefill_url),
+        ("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common,
+                    *cfg.decode_args], decode_url),
         ("router", ["router", "--port", str(cfg.router_port), "--prefill", prefill_url,
                     "--decode", decode_url], f"http://{host}:{cfg.router_port}"),
     ]  # fmt: skip
@@ -160,10 +170,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-port", type=int, default=30002)
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    add_device_args(p, utilization_default=None)
+    p.add_argument("--prefill-device", type=device_arg, default=None, help="default: --device")
+    p.add_argument("--decode-device", type=device_arg, default=None, help="default: --device")
     p.add_argument(
-        "--cpu-lease", action=argparse.BooleanOptionalAction, default=True,
+        "--cpu-lease", action=argparse.BooleanOptionalAction, default=None,
         help="the two workers take turns at this machine's cores for model steps, each with all "
-        "its threads (off: they compute at once; then split the cores with --num-threads)",
+        "its threads (off: they compute at once; then split the cores with --num-threads); "
+        "default: on when both workers run on the CPU",
     )  # fmt: skip
     return p.parse_args(argv)
 
@@ -171,9 +185,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def worker_args(args: argparse.Namespace) -> list[str]:
     """Every model/engine flag of `pdserve up`, passed on to both workers."""
     out = ["--dtype", args.dtype, "--page-size", str(args.page_size),
-           "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-seqs", str(args.max_num_seqs),
            "--max-prefill-tokens", str(args.max_prefill_tokens)]  # fmt: skip
     optional = {
+        "--kv-cache-mb": args.kv_cache_mb,  # None: each worker sizes its own (CPU or CUDA)
+        "--num-gpu-blocks": args.num_gpu_blocks,
         "--max-model-len": args.max_model_len,
         "--num-threads": args.num_threads,
         "--decode-threads": args.decode_threads,  # None is auto, the workers' default
@@ -186,6 +202,10 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     model_dir = str(resolve_model_dir(args.model))  # made once, before the children race for it
+    prefill_device = args.prefill_device or args.device
+    decode_device = args.decode_device or args.device
+    on_cpu = is_cpu(prefill_device) and is_cpu(decode_device)
+    use_lease = on_cpu if args.cpu_lease is None else args.cpu_lease
     return ClusterConfig(
         model_dir=model_dir,
         served_model_name=served_model_name(args.served_model_name, model_dir),
@@ -195,8 +215,26 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         bootstrap_port=args.bootstrap_port,
         ready_timeout_s=args.ready_timeout,
         extra_worker_args=tuple(worker_args(args)),
-        cpu_lease_path=default_lease_path(args.router_port) if args.cpu_lease else None,
+        prefill_args=role_device_args(args, prefill_device, decode_device),
+        decode_args=role_device_args(args, decode_device, prefill_device),
+        cpu_lease_path=default_lease_path(args.router_port) if use_lease else None,
     )
+
+
+def role_device_args(args: argparse.Namespace, device: str, peer_device: str) -> tuple[str, ...]:
+    """One worker's device flags. Two workers on one GPU split it: half the default memory
+    fraction each unless --gpu-memory-utilization says otherwise (a fraction of the device per
+    worker)."""
+    out = ["--device", device]
+    if not is_cpu(device):
+        utilization = args.gpu_memory_utilization
+        if utilization is None:
+            shared = same_physical_device(device, peer_device)
+            utilization = DEFAULT_GPU_MEMORY_UTILIZATION / (2 if shared else 1)
+        out += ["--gpu-memory-utilization", str(utilization)]
+    if args.enforce_eager:
+        out.append("--enforce-eager")
+    return tuple(out)
 
 
 def default_lease_path(router_port: int) -> str:

@@ -8,6 +8,7 @@ already written into its pages.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,14 @@ import torch
 
 from pdserve.attention.backend import AttentionConfig
 from pdserve.attention.factory import create_backend
+from pdserve.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    check_device,
+    check_gpu_memory_utilization,
+    is_cpu,
+)
 from pdserve.engine.protocol import TokenLogprob
+from pdserve.kernels.host_copy import HostSample, PendingHostSample
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.linear import auto_fp32_min_rows
@@ -33,6 +41,15 @@ from pdserve.kernels.sampling import (
     sampling_tensors_for,
 )
 from pdserve.kernels.topk import argmax_rows
+from pdserve.kv_sizing import (
+    CPU_DEFAULT_KV_CACHE_BYTES,
+    DeviceMemory,
+    KVSizing,
+    device_memory,
+    graph_reserve,
+    measure_kv_sizing,
+    warm_up_sequences,
+)
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtype import resolve_dtype
 from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch
@@ -58,11 +75,16 @@ class RunnerConfig:
     dtype: str = "auto"
     page_size: int = 16
     num_pages: int | None = None  # None: as many as fit in kv_cache_bytes
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    # None: 512 MiB on CPU; on CUDA what gpu_memory_utilization leaves (see pdserve.kv_sizing).
+    kv_cache_bytes: int | None = None
     max_num_seqs: int = 64
     max_prefill_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda | cuda:N, checked at start (pdserve.device)
+    # CUDA: the fraction of the device's total memory this worker may use, the KV pool included.
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # CUDA: bytes held back for CUDA graphs when sizing the pool; None: the default estimate.
+    graph_reserve_bytes: int | None = None
     num_threads: int | None = None  # torch intra-op threads of prefill; None: torch's default
     # Threads of decode steps; None: the same as prefill until calibrate_decode_threads() runs.
     decode_threads: int | None = None
@@ -114,42 +136,92 @@ class ModelRunner:
     """Owns the model weights, tokenizer and KV page pool of one engine."""
 
     def __init__(self, config: RunnerConfig) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = check_device(config.device, "RunnerConfig.device")
+        if config.num_threads and is_cpu(self.device):
+            torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(config.model_dir)
         declared = self.model_config.checkpoint_dtype or stored_dtype(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, declared)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         mc = self.model_config
-        self.kv_config = self._kv_config(mc)
-        self.max_model_len = self._max_model_len(mc)
-        weights = load_weights(config.model_dir, mc, self.dtype, config.device)
+        # CUDA without an explicit size: a warm-up pool now, the real one once measured.
+        memory = self._memory_to_size_from()
+        self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
+        self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
+        weights = load_weights(config.model_dir, mc, self.dtype, str(self.device))
         self.model = LlamaModel(
-            mc, weights, self.max_model_len, self.dtype, config.device, self._fp32_min_rows()
+            mc, weights, self.max_model_len, self.dtype, str(self.device), self._fp32_min_rows()
         )
-        # The transport registers this tensor with NIXL: it is never reallocated.
-        self.kv_pool = KVPagePool(self.kv_config, device=self.device)
-        self.attn_backend = create_backend(
-            config.attention_backend, AttentionConfig.of(mc, self.max_model_len), self.kv_pool
-        )
+        self.stats = RunnerStats()
+        self.prefill_threads = config.num_threads or torch.get_num_threads()
+        self.decode_threads = config.decode_threads or self.prefill_threads
         self.graph_runner: DecodeGraphRunner | None = None
+        self._build_pool()
+        self.kv_sizing: KVSizing | None = None
+        if memory is not None:
+            self._size_pool_from_memory(memory)
         if self._use_cuda_graphs():
             self.graph_runner = DecodeGraphRunner(
                 self.model, self.attn_backend, config.max_num_seqs, self.max_model_len
             )
             self.graph_runner.capture()
-        self.stats = RunnerStats()
-        self.prefill_threads = config.num_threads or torch.get_num_threads()
-        self.decode_threads = config.decode_threads or self.prefill_threads
         logger.info(
-            "runner ready: %s, %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d, "
+            "runner ready: %s, %s on %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d, "
             "%s attention, %s decode",
-            mc.architecture, self.dtype, self.kv_config.num_pages, self.kv_config.page_size,
+            mc.architecture, self.dtype, self.device, self.kv_config.num_pages,
+            self.kv_config.page_size,
             self.kv_config.num_pages * self.kv_config.page_bytes / 2**20, self.max_model_len,
             self.attn_backend.name, "graph" if self.graph_runner else "eager",
         )  # fmt: skip
+
+    def _build_pool(self) -> None:
+        """The page pool of ``kv_config`` and the attention backend over it."""
+        # The transport registers this tensor with NIXL: it is never reallocated once serving.
+        self.kv_pool = KVPagePool(self.kv_config, device=self.device)
+        self.attn_backend = create_backend(
+            self.config.attention_backend,
+            AttentionConfig.of(self.model_config, self.max_model_len),
+            self.kv_pool,
+        )
+
+    def _memory_to_size_from(self) -> tuple[DeviceMemory, int] | None:
+        """On CUDA with no explicit pool size: the device's memory and torch's allocation before
+        this runner allocated anything; None where the pool has a fixed size."""
+        c = self.config
+        if is_cpu(self.device) or c.num_pages or c.kv_cache_bytes:
+            return None
+        check_gpu_memory_utilization(c.gpu_memory_utilization, "gpu_memory_utilization")
+        torch.cuda.init()
+        return device_memory(self.device), torch.cuda.memory_allocated(self.device)
+
+    def _size_pool_from_memory(self, memory: tuple[DeviceMemory, int]) -> None:
+        """Measure the warm-up, then replace the warm-up pool by the largest that fits."""
+        info, allocated_at_start = memory
+        c = self.config
+        weights_bytes = torch.cuda.memory_allocated(self.device) - allocated_at_start
+        weights_bytes -= self.kv_pool.storage.numel() * self.kv_pool.storage.element_size()
+        sizing = measure_kv_sizing(
+            self.device, info, weights_bytes, self._warm_up_largest_step,
+            c.gpu_memory_utilization, graph_reserve(c.enforce_eager, c.graph_reserve_bytes),
+            self.kv_config.page_bytes,
+        )  # fmt: skip
+        del self.attn_backend, self.kv_pool
+        torch.cuda.empty_cache()
+        self.kv_config = dataclasses.replace(self.kv_config, num_pages=sizing.num_pages)
+        self.max_model_len = self._max_model_len(self.model_config, self.kv_config)
+        self._build_pool()
+        self.kv_sizing = sizing
+        logger.info("%s: %s", self.device, sizing.describe())
+
+    def _warm_up_largest_step(self) -> None:
+        c, kv = self.config, self.kv_config
+        prefill, sampled = warm_up_sequences(
+            c.max_prefill_tokens, self.max_model_len, c.max_num_seqs, kv.page_size, kv.num_pages
+        )
+        self.prefill_logits(prefill)
+        logits = torch.zeros(len(sampled), self.model_config.vocab_size, device=self.device)
+        self._sample(logits, sampled)
 
     def _use_cuda_graphs(self) -> bool:
         return (
@@ -163,26 +235,34 @@ class ModelRunner:
         """Device memory the captured decode graphs hold (0 when decoding eagerly)."""
         return self.graph_runner.graph_memory_bytes if self.graph_runner else 0
 
-    def _kv_config(self, mc: ModelConfig) -> KVCacheConfig:
+    def _kv_config(self, mc: ModelConfig, is_warm_up: bool = False) -> KVCacheConfig:
         c = self.config
         probe = KVCacheConfig(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, c.page_size, self.dtype
         )
-        num_pages = c.num_pages or c.kv_cache_bytes // probe.page_bytes
+        kv_bytes = c.kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        if is_warm_up:  # enough pages for the warm-up's prefill (see _size_pool_from_memory)
+            num_pages = probe.pages_for(c.max_prefill_tokens) + max(c.max_num_seqs, 1)
+        else:
+            num_pages = c.num_pages or kv_bytes // probe.page_bytes
         if num_pages < 1:
-            raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} is less than one KV page")
+            raise ValueError(f"kv_cache_bytes={kv_bytes} is less than one KV page")
         return KVCacheConfig(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, num_pages, c.page_size, self.dtype
         )
 
     def _fp32_min_rows(self) -> int | None:
+        if not is_cpu(self.device):
+            return None  # float32 weight copies are a CPU GEMM workaround: never on CUDA
         rows = self.config.fp32_matmul_min_rows
         if rows is None:
             return auto_fp32_min_rows(self.device, self.dtype, self.config.prefills_prompts)
         return rows or None
 
-    def _max_model_len(self, mc: ModelConfig) -> int:
-        limit = min(mc.max_position_embeddings, self.kv_config.num_pages * self.kv_config.page_size)
+    def _max_model_len(self, mc: ModelConfig, kv: KVCacheConfig | None) -> int:
+        """The configured length (or the model's), capped by positions and ``kv``'s capacity."""
+        capacity = kv.num_pages * kv.page_size if kv is not None else mc.max_position_embeddings
+        limit = min(mc.max_position_embeddings, capacity)
         wanted = self.config.max_model_len or mc.max_position_embeddings
         if wanted > limit:
             logger.warning("max_model_len %d capped to %d (positions / KV capacity)", wanted, limit)
@@ -237,11 +317,11 @@ class ModelRunner:
         self.stats.last_step = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
         return t3 - t0
 
-    @staticmethod
-    def _use_threads(num_threads: int) -> None:
+    def _use_threads(self, num_threads: int) -> None:
         # Per phase, from the thread that runs the forward (torch's OpenMP thread count is per
         # calling thread once set); read back each time, as other runners may share the process.
-        if torch.get_num_threads() != num_threads:
+        # On CUDA the host threads only launch kernels: leave torch's setting alone.
+        if is_cpu(self.device) and torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
 
     def calibrate_decode_threads(self, seqs: list[Sequence]) -> ThreadChoice:
@@ -319,31 +399,31 @@ class ModelRunner:
         if processing is not None:  # logit_bias, min_tokens, grammar masks: before any choice
             with torch.inference_mode():  # the logits are inference tensors: edit them there
                 logits = processing.apply(logits)
+        # One host copy of the step's results (pdserve.kernels.host_copy); on CUDA nothing in
+        # the step reads a device tensor before it, and waiting on it also means the forward
+        # that wrote the step's K/V has run (the copy follows it on the stream).
         if is_plain_greedy(seqs):
             # The common case needs no per-row parameters: skip building them.
-            return RunnerOutput(token_ids=argmax_rows(logits).tolist())
+            ids = argmax_rows(logits)
+            return RunnerOutput(token_ids=PendingHostSample(SamplerOutput(ids)).wait().token_ids)
         tensors = sampling_tensors_for(seqs, self.device)
         with torch.inference_mode():
-            result = sample(logits, tensors)
-        token_ids = result.token_ids.tolist()
+            host = PendingHostSample(sample(logits, tensors)).wait()
         if not tensors.need_logprobs:
-            return RunnerOutput(token_ids=token_ids)
-        return RunnerOutput(token_ids, _token_logprobs(result, token_ids, seqs))
+            return RunnerOutput(token_ids=host.token_ids)
+        return RunnerOutput(host.token_ids, _token_logprobs(host, seqs))
 
 
-def _token_logprobs(
-    result: SamplerOutput, token_ids: list[int], seqs: list[Sequence]
-) -> list[TokenLogprob | None]:
-    assert result.logprobs is not None
-    chosen = result.logprobs.tolist()
-    top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-    top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+def _token_logprobs(host: HostSample, seqs: list[Sequence]) -> list[TokenLogprob | None]:
+    assert host.logprobs is not None
     out: list[TokenLogprob | None] = []
     for i, s in enumerate(seqs):
         if not s.sampling.logprobs:
             out.append(None)
             continue
         n = s.sampling.top_logprobs
-        top = tuple(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if top_ids and top_lps else ()
-        out.append(TokenLogprob(token_id=token_ids[i], logprob=chosen[i], top=top))
+        top = ()
+        if host.top_ids is not None and host.top_logprobs is not None:
+            top = tuple(zip(host.top_ids[i][:n], host.top_logprobs[i][:n], strict=True))
+        out.append(TokenLogprob(token_id=host.token_ids[i], logprob=host.logprobs[i], top=top))
     return out

@@ -166,3 +166,21 @@ def test_serve_and_router_take_the_same_log_level_and_parent_pid_flags() -> None
     for args in (parse(*argv), router_cli.build_parser().parse_args(argv)):
         assert (args.log_level, args.parent_pid) == ("debug", 123)
     assert generate._parse_args(["--log-level", "info"]).log_level == "info"
+
+
+def test_device_flags_reach_the_runner_config(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    default = server_config_from_args(parse("--model", str(tmp_path))).runner
+    assert (default.device, default.gpu_memory_utilization, default.enforce_eager) == (
+        "cpu", 0.9, False
+    )  # fmt: skip
+    assert default.kv_cache_bytes is None and default.num_pages is None  # sized by the runner
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    args = parse("--model", str(tmp_path), "--device", "cuda:0", "--gpu-memory-utilization",
+                 "0.5", "--enforce-eager", "--num-gpu-blocks", "300",
+                 "--kv-cache-mb", "64")  # fmt: skip
+    runner = server_config_from_args(args).runner
+    assert (runner.device, runner.gpu_memory_utilization, runner.enforce_eager) == (
+        "cuda:0", 0.5, True
+    )  # fmt: skip
+    assert (runner.num_pages, runner.kv_cache_bytes) == (300, 64 << 20)

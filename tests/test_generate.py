@@ -68,3 +68,14 @@ def test_generation_stops_at_max_model_len(model_dir: Path) -> None:
     )
     [result] = generate(small, [list(range(1, 9))], SamplingParams(max_tokens=50, ignore_eos=True))
     assert len(result.token_ids) == 4 and result.finish_reason == "length"
+
+
+def test_generate_takes_the_same_device_flags_as_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.generate import _parse_args  # noqa: PLC0415
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    args = _parse_args(["--prompt", "x", "--device", "cuda:1", "--gpu-memory-utilization", "0.3"])
+    assert (args.device, args.gpu_memory_utilization, args.kv_cache_mib) == ("cuda:1", 0.3, None)
+    with pytest.raises(SystemExit):
+        _parse_args(["--prompt", "x", "--device", "cuda:2"])  # no such device

@@ -25,10 +25,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runner(checkpoint: Path) -> ModelRunner:
-    return ModelRunner(
-        RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=128)
-    )
+def runners() -> dict[str, ModelRunner]:
+    return {}  # one runner per device, built on first use
+
+
+@pytest.fixture
+def runner(runners: dict[str, ModelRunner], checkpoint: Path, device: str) -> ModelRunner:
+    if device not in runners:
+        runners[device] = ModelRunner(
+            RunnerConfig(
+                str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=128, device=device
+            )
+        )
+    return runners[device]
 
 
 class PageBook:
@@ -275,3 +284,87 @@ def test_a_quantized_checkpoint_is_refused_before_any_weight_loads(
                              quantization_config=quant)  # fmt: skip
     with pytest.raises(ModelDirError, match="quantized .*'fp8'"):
         ModelRunner(RunnerConfig(str(fp8), num_pages=8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_runner_without_a_gpu_is_refused_naming_the_field(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match=r"RunnerConfig\.device='cuda:0': CUDA is not available"):
+        ModelRunner(RunnerConfig(str(checkpoint), device="cuda:0"))
+
+
+def test_cpu_pool_defaults_to_512_mib_and_an_explicit_page_count_wins(checkpoint: Path) -> None:
+    cfg = RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE)
+    default = ModelRunner(cfg)
+    assert default.kv_config.num_pages == (512 << 20) // default.kv_config.page_bytes
+    assert default.kv_sizing is None  # sized from memory on CUDA only
+    explicit = ModelRunner(dataclasses.replace(cfg, num_pages=10, kv_cache_bytes=1 << 30))
+    assert explicit.kv_config.num_pages == 10
+
+
+class FakeCudaMemory:
+    """torch.cuda's memory readings for a runner taking its CUDA sizing path on CPU tensors:
+    the weights count 1 GiB, the warm-up peaks 256 MiB above its base, libraries take 128 MiB."""
+
+    TOTAL = 4 << 30
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.allocated = 0
+        self.other = 0
+        self.warm_ups = 0
+        cuda = torch.cuda
+        for name in ("init", "synchronize", "reset_peak_memory_stats", "empty_cache"):
+            monkeypatch.setattr(cuda, name, lambda *a, **k: None)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda *a: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda *a: self.allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: self.allocated + (256 << 20))
+        monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (self.free, self.TOTAL))
+
+    @property
+    def free(self) -> int:
+        return self.TOTAL - self.allocated - self.other
+
+
+def test_the_cuda_sizing_path_fills_the_share_and_serves_the_same_tokens(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pdserve.model_runner as model_runner  # noqa: PLC0415
+
+    cfg = RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, max_num_seqs=4,
+                       max_prefill_tokens=64, gpu_memory_utilization=0.5,
+                       enforce_eager=True)  # fmt: skip
+    reference = ModelRunner(dataclasses.replace(cfg, num_pages=128))
+    fake = FakeCudaMemory(monkeypatch)
+    monkeypatch.setattr(model_runner, "is_cpu", lambda device: False)  # take the CUDA branches
+    loaded = model_runner.load_weights
+
+    def load_weights(*args: object, **kwargs: object) -> object:
+        fake.allocated += 1 << 30
+        return loaded(*args, **kwargs)
+
+    def warm_up(self: ModelRunner) -> None:
+        fake.warm_ups += 1
+        fake.other = 128 << 20
+        original_warm_up(self)
+
+    original_warm_up = ModelRunner._warm_up_largest_step
+    monkeypatch.setattr(model_runner, "load_weights", load_weights)
+    monkeypatch.setattr(ModelRunner, "_warm_up_largest_step", warm_up)
+    # The warm-up pool's bytes are counted as allocated once it exists.
+    pool_cls = model_runner.KVPagePool
+
+    def pool(config, device="cpu", hugepages=True):  # noqa: ANN001, ANN202
+        fake.allocated += (config.num_pages + 1) * config.page_bytes  # + the scratch page
+        return pool_cls(config, device, hugepages)
+
+    monkeypatch.setattr(model_runner, "KVPagePool", pool)
+    sized = ModelRunner(cfg)
+    monkeypatch.undo()
+
+    expected = ((2 << 30) - (1 << 30) - (256 << 20) - (128 << 20)) // sized.kv_config.page_bytes
+    assert fake.warm_ups == 1
+    assert sized.kv_sizing is not None and sized.kv_sizing.num_pages == expected
+    assert sized.kv_config.num_pages == expected == sized.kv_pool.kv.shape[0]
+    assert sized.max_model_len == min(256, expected * PAGE_SIZE)
+    prompt = _prompt(7, seed=3)
+    book = PageBook()
+    assert _run(sized, [book.seq("s", prompt)], 6) == _run(reference, [book.seq("r", prompt)], 6)

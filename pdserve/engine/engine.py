@@ -33,7 +33,7 @@ from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, wait_kv_ready
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
-from pdserve.thread_tuning import CALIBRATION_BATCH
+from pdserve.thread_tuning import CALIBRATION_BATCH, should_calibrate
 
 if TYPE_CHECKING:
     from pdserve.engine.handoff import Handoff
@@ -132,11 +132,10 @@ class Engine:
 
     def _should_calibrate_threads(self) -> bool:
         runner = self.runner
-        return (
-            self.config.role != "prefill"
-            and runner.config.decode_threads is None
-            and runner.prefill_threads > 1
-        )
+        return should_calibrate(
+            self.config.role, runner.device.type, runner.config.decode_threads,
+            runner.prefill_threads,
+        )  # fmt: skip
 
     async def _calibrate_decode_threads(self) -> None:
         """Decode steps of scratch sequences, timed per thread count (pdserve.thread_tuning)."""

@@ -1,7 +1,7 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded) into :class:`ModelWeights`.
 
-Tensors are read one layer at a time and fused (QKV, gate/up) as they are converted to the
-serving dtype, so peak memory stays near the size of the converted model.
+Tensors are read one layer at a time, onto the serving device, and fused (QKV, gate/up) as they
+are converted to the serving dtype, so peak memory stays near the size of the converted model.
 """
 
 from __future__ import annotations
@@ -62,8 +62,13 @@ class _TensorSource:
         self._handles: dict[str, Any] = {}
         self._dtype = dtype
         self._device = device
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None:  # safetensors wants an index
+            target = torch.device("cuda", torch.cuda.current_device())
         for path in files:
-            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            # Read straight into the target device's memory (a CUDA worker never holds more
+            # than the tensor being read on the host); dtype conversion then runs there too.
+            handle = stack.enter_context(safe_open(str(path), framework="pt", device=str(target)))
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 self._handles[name] = handle
         self.files = files
