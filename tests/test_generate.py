@@ -76,6 +76,6 @@ def test_generate_takes_the_same_device_flags_as_serve(monkeypatch: pytest.Monke
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     args = _parse_args(["--prompt", "x", "--device", "cuda:1", "--gpu-memory-utilization", "0.3"])
-    assert (args.device, args.gpu_memory_utilization, args.kv_cache_mib) == ("cuda:1", 0.3, None)
+    assert (args.device, args.gpu_memory_utilization, args.kv_cache_mb) == ("cuda:1", 0.3, None)
     with pytest.raises(SystemExit):
         _parse_args(["--prompt", "x", "--device", "cuda:2"])  # no such device
