@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("checkpoint", "device_tests", "pd_vs_colocated", "bandwidth", "decode_speed",
-         "hf_generate")  # fmt: skip
+STEPS = ("checkpoint", "device_tests", "pd_vs_colocated", "readiness", "bandwidth",
+         "decode_speed", "hf_generate")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -30,6 +31,10 @@ def test_quick_cpu_rehearsal_passes_every_step_and_writes_the_json(tmp_path: Pat
     steps = {k: v["result"] for k, v in report["steps"].items()}
     assert steps["device_tests"]["tests"] > 0 and (tmp_path / "device_tests.xml").is_file()
     assert steps["pd_vs_colocated"]["greedy_equal"]
+    readiness = steps["readiness"]  # the VRAM transport tests: they skip without CUDA
+    expected_skips = 0 if torch.cuda.is_available() else readiness["tests"]
+    assert readiness["returncode"] == 0 and readiness["tests"] > 0
+    assert readiness["skipped"] == expected_skips
     assert set(steps["pd_vs_colocated"]["pd_serving"]) == {"1", "4"}
     assert steps["bandwidth"]["bytes_per_s"] > 0
     for name in ("decode_speed", "hf_generate"):
