@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.kernels.host_copy import PendingHostSample  # noqa: E402
-from pdserve.kernels.sampling import sample, sampling_tensors_for  # noqa: E402
+from pdserve.kernels.sampling import sample  # noqa: E402
+from pdserve.kernels.sampling_tensors import sampling_tensors_for  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.sequence import Sequence  # noqa: E402
 

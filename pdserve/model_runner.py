@@ -34,12 +34,8 @@ from pdserve.kernels.prompt_logprobs import (
     prompt_logprobs_for,
     wants_prompt_logprobs,
 )
-from pdserve.kernels.sampling import (
-    SamplerOutput,
-    is_plain_greedy,
-    sample,
-    sampling_tensors_for,
-)
+from pdserve.kernels.sampling import SamplerOutput, sample
+from pdserve.kernels.sampling_tensors import is_plain_greedy, sampling_tensors_for
 from pdserve.kernels.topk import argmax_rows
 from pdserve.kv_sizing import (
     CPU_DEFAULT_KV_CACHE_BYTES,

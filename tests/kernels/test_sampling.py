@@ -8,16 +8,14 @@ import pytest
 import torch
 
 from pdserve.kernels.sampling import (
-    SamplingTensors,
     _filter_top_k_top_p,
     _mix32,
     _mix32_int32,
     apply_penalties,
-    is_plain_greedy,
     sample,
-    sampling_tensors_for,
     uniform_noise,
 )
+from pdserve.kernels.sampling_tensors import SamplingTensors, is_plain_greedy, sampling_tensors_for
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.sampling import SamplingTensors, _full_vocab_sample, _random_sample
+from pdserve.kernels.sampling import _full_vocab_sample, _random_sample
 from pdserve.kernels.sampling_candidates import CANDIDATE_WIDTH, plan_candidates
+from pdserve.kernels.sampling_tensors import SamplingTensors
 
 VOCAB = 4096
 

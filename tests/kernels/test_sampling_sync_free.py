@@ -11,11 +11,8 @@ import pytest
 import torch
 
 from pdserve.kernels.host_copy import PendingHostSample
-from pdserve.kernels.sampling import (
-    _top_p_floor,
-    sample,
-    sampling_tensors_for,
-)
+from pdserve.kernels.sampling import _top_p_floor, sample
+from pdserve.kernels.sampling_tensors import sampling_tensors_for
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
 
