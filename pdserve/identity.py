@@ -56,3 +56,10 @@ def default_engine_id(role: str, advertised_host: str, port: int) -> str:
     """
     host = advertised_host.strip("[]")
     return f"{role}-{host}:{port}"
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

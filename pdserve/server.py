@@ -40,7 +40,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.protocol import GenerateOutput, GenerateRequest
 from pdserve.engine.runner_thread import RunnerThread
-from pdserve.identity import advertise_host
+from pdserve.identity import advertise_host, http_url
 from pdserve.metrics import EngineCollector, PrometheusObserver, TransferMetrics
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.registration import Registration, RegistrationConfig
@@ -95,7 +95,8 @@ class Server:
     @property
     def advertised_url(self) -> str:
         """The URL routers and peers use (``--advertise-host``, registration)."""
-        return f"http://{self.advertised_host}:{self.port}"
+        assert self.port is not None, "call start() first"
+        return http_url(self.advertised_host, self.port)
 
     async def __aenter__(self) -> Server:
         await self.start()

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.cli import add_serve_args
 from pdserve.config_builder import server_config_from_args
-from pdserve.identity import advertise_host, default_engine_id, primary_address
+from pdserve.identity import advertise_host, default_engine_id, http_url, primary_address
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -70,3 +70,9 @@ def test_the_token_comes_from_the_environment_when_no_flag_gives_it(tmp_path, mo
     monkeypatch.setenv("PDSERVE_BOOTSTRAP_TOKEN", "from-env")
     config = server_config_from_args(parse("--model", str(tmp_path)))
     assert config.transport.bootstrap_token == "from-env"
+
+
+def test_an_ipv6_advertised_host_makes_a_valid_url():
+    assert http_url("fd00::1", 30001) == "http://[fd00::1]:30001"
+    assert http_url("[fd00::1]", 30001) == "http://[fd00::1]:30001"
+    assert http_url("10.0.0.1", 30001) == "http://10.0.0.1:30001"
