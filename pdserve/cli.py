@@ -22,7 +22,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 30001 prefill, 30002 decode")
     p.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: KV bootstrap port")
-    p.add_argument("--engine-id", default=None)
+    p.add_argument(
+        "--advertise-host", default=None,
+        help="the host routers and peers reach this worker at (registration URL, bootstrap "
+        "address, default engine id); default --host, or this machine's address if that is "
+        "a wildcard such as 0.0.0.0",
+    )  # fmt: skip
+    p.add_argument("--engine-id", default=None, help="default <role>-<advertised host>:<port>")
+    p.add_argument(
+        "--bootstrap-token", default=None, metavar="SECRET",
+        help="shared secret of the KV bootstrap port: a prefill refuses requests without it "
+        "(401), a decode sends it; give both the same ($PDSERVE_BOOTSTRAP_TOKEN)",
+    )  # fmt: skip
+    _add_registration_args(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-body-kb", type=int, default=4096, help="larger request bodies get 413")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
@@ -68,6 +80,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="how long the event loop may hold the GIL while the runner thread waits for it "
         "(Python's default is 5 ms; 0 keeps it)",
     )
+
+
+def _add_registration_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("self-registration with routers")
+    g.add_argument(
+        "--router", action="append", default=[], metavar="URL",
+        help="register with this router and renew the lease; repeatable",
+    )  # fmt: skip
+    g.add_argument(
+        "--register-interval", type=float, default=2.0, metavar="S",
+        help="seconds between lease renewals",
+    )  # fmt: skip
+    g.add_argument(
+        "--register-ttl", type=float, default=6.0, metavar="S",
+        help="a router forgets this worker this long after its last renewal",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-api-key", default=None,
+        help="the routers' --api-key, if they have one (default: --api-key)",
+    )  # fmt: skip
 
 
 def apply_gil_switch_interval(ms: float) -> None:

@@ -11,7 +11,9 @@ from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.envs import read_env
 from pdserve.fsm import RoomDeadlines
+from pdserve.identity import advertise_host, default_engine_id
 from pdserve.model_runner import RunnerConfig
+from pdserve.registration import RegistrationConfig
 from pdserve.server import ServerConfig
 from pdserve.transport import FaultPlan, TransportConfig
 
@@ -42,7 +44,10 @@ def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     runner = runner_config_from_args(args, args.role)
     model_name = served_model_name(args.served_model_name, runner.model_dir)
-    engine_id = args.engine_id or f"{args.role}-{args.host}:{args.port or DEFAULT_PORTS[args.role]}"
+    env = read_env()
+    port = args.port if args.port is not None else DEFAULT_PORTS[args.role]
+    advertised = advertise_host(args.host, args.advertise_host)
+    engine_id = args.engine_id or default_engine_id(args.role, advertised, port)
     engine = EngineConfig(
         role=args.role,
         model_name=model_name,
@@ -67,6 +72,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         connect_timeout_s=args.bootstrap_connect_timeout,
         request_timeout_s=args.bootstrap_request_timeout,
         checksum=args.kv_checksum,
+        bootstrap_token=args.bootstrap_token or env.bootstrap_token,
         faults=fault_plan_from_json(args.fault_plan),
         deadlines=RoomDeadlines(
             bootstrapping_s=args.timeout_bootstrap,
@@ -74,7 +80,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             transferring_s=args.timeout_transfer,
         ),
     )
-    api_key = args.api_key or read_env().api_key
+    api_key = args.api_key or env.api_key
     return ServerConfig(
         runner=runner,
         engine=engine,
@@ -86,8 +92,24 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_deadline_s=args.timeout_request,
         ),
         host=args.host,
-        port=args.port if args.port is not None else DEFAULT_PORTS[args.role],
+        port=port,
         cpu_lease_path=args.cpu_lease,
+        advertise_host=advertised,
+        registration=registration_config_from_args(args, api_key),
+    )
+
+
+def registration_config_from_args(
+    args: argparse.Namespace, api_key: str | None
+) -> RegistrationConfig | None:
+    """``--router`` and its lease flags; None without ``--router``."""
+    if not args.router:
+        return None
+    return RegistrationConfig(
+        router_urls=tuple(args.router),
+        interval_s=args.register_interval,
+        ttl_s=args.register_ttl,
+        api_key=args.router_api_key or api_key,
     )
 
 

@@ -28,11 +28,22 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+BOOTSTRAP_TOKEN_ENV = "PDSERVE_BOOTSTRAP_TOKEN"
+
+
+def child_env(*, bootstrap_token: str) -> dict[str, str]:
+    """This process's environment plus the bootstrap token, for `pdserve up`'s children."""
+    return {**os.environ, BOOTSTRAP_TOKEN_ENV: bootstrap_token}
+
+
 @dataclass(frozen=True)
 class Env:
     log_level: str = "INFO"
     model_dir: str | None = None
     api_key: str | None = None
+    # The bootstrap port's shared secret (``--bootstrap-token``); `pdserve up` hands it to its
+    # workers this way so that it shows in no process list.
+    bootstrap_token: str | None = None
     # OUT: where a device machine's job leaves files to bring back (bench/gpu_check.py).
     results_dir: str | None = None
 
@@ -42,5 +53,6 @@ def read_env() -> Env:
         log_level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
         model_dir=os.environ.get("PDSERVE_MODEL") or None,
         api_key=os.environ.get("PDSERVE_API_KEY") or None,
+        bootstrap_token=os.environ.get(BOOTSTRAP_TOKEN_ENV) or None,
         results_dir=os.environ.get("OUT") or None,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pdserve.device import (
     is_cpu,
     same_physical_device,
 )
+from pdserve.envs import child_env
 from pdserve.lifetime import parent_death_preexec
 from pdserve.model.config import ModelConfig, ModelDirError
 
@@ -39,6 +41,9 @@ class ClusterConfig:
     decode_args: tuple[str, ...] = ()  # the decode worker only
     # Both workers share this machine's cores: their model steps take turns (engine/cpu_lease.py).
     cpu_lease_path: str | None = None
+    # The shared secret of the bootstrap port, new for each cluster; the workers get it in
+    # their environment (PDSERVE_BOOTSTRAP_TOKEN), not on a command line others can read.
+    bootstrap_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
 
 @dataclass
@@ -47,25 +52,28 @@ class Child:
     url: str
     argv: list[str]
     proc: subprocess.Popen[bytes]
+    env: dict[str, str] = field(default_factory=dict, repr=False)
     restarts: list[float] = field(default_factory=list)
 
     def restart(self) -> None:
         self.restarts.append(time.monotonic())
-        self.proc = _popen(self.name, self.argv)
+        self.proc = _popen(self.name, self.argv, self.env)
 
 
-def _popen(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+def _popen(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     # A child lives no longer than this supervisor, even one that is SIGKILLed: the kernel's
     # parent-death signal, and the child's own watch on its parent pid (pdserve/lifetime.py).
     me = os.getpid()
     cmd = [sys.executable, "-m", "pdserve", *argv, "--parent-pid", str(me)]
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=parent_death_preexec(me))
+    proc = subprocess.Popen(
+        cmd, start_new_session=True, preexec_fn=parent_death_preexec(me), env=env
+    )
     print(f"[up] started {name} (pid {proc.pid}): {' '.join(cmd[2:])}", flush=True)
     return proc
 
 
-def _spawn(name: str, argv: list[str], url: str) -> Child:
-    return Child(name, url, argv, _popen(name, argv))
+def _spawn(name: str, argv: list[str], url: str, env: dict[str, str]) -> Child:
+    return Child(name, url, argv, _popen(name, argv, env), env)
 
 
 def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
@@ -91,8 +99,9 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
 def start_cluster(cfg: ClusterConfig, children: list[Child]) -> None:
     """Start every child, appending each to ``children`` at once (so that a signal arriving
     half-way leaves the started ones in the list that stop_cluster stops)."""
+    env = child_env(bootstrap_token=cfg.bootstrap_token)
     for name, argv, url in child_specs(cfg):
-        children.append(_spawn(name, argv, url))
+        children.append(_spawn(name, argv, url, env))
 
 
 def is_ready(url: str) -> bool:

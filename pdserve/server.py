@@ -40,11 +40,14 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.protocol import GenerateOutput, GenerateRequest
 from pdserve.engine.runner_thread import RunnerThread
+from pdserve.identity import advertise_host, http_url
 from pdserve.metrics import EngineCollector, PrometheusObserver, TransferMetrics
 from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.registration import Registration, RegistrationConfig
+from pdserve.router.registration import RegistrationMsg
 from pdserve.sampling_params import SamplingParams
 from pdserve.transport import KVReceiver, KVSender, TransportConfig
-from pdserve.transport.layout import model_fingerprint
+from pdserve.transport.layout import layout_fingerprint, layout_of, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,10 @@ class ServerConfig:
     serve_http: bool = True
     # Workers given the same file take turns at the cores for model steps (engine/cpu_lease.py).
     cpu_lease_path: str | None = None
+    # The host peers and routers reach this worker at (--advertise-host); None: ``host``,
+    # unless that is a wildcard such as 0.0.0.0 (then this machine's primary address).
+    advertise_host: str | None = None
+    registration: RegistrationConfig | None = None  # --router: register with these routers
 
     @property
     def role(self) -> str:
@@ -78,10 +85,18 @@ class Server:
         self.receiver: KVReceiver | None = None
         self._http: web.AppRunner | None = None
         self.port: int | None = None
+        self.registration: Registration | None = None
+        self.advertised_host = advertise_host(config.host, config.advertise_host)
 
     @property
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def advertised_url(self) -> str:
+        """The URL routers and peers use (``--advertise-host``, registration)."""
+        assert self.port is not None, "call start() first"
+        return http_url(self.advertised_host, self.port)
 
     async def __aenter__(self) -> Server:
         await self.start()
@@ -114,6 +129,32 @@ class Server:
             app = build_app(engine, api, self.registry)
             self._http, self.port = await start_http(app, cfg.host, cfg.port)
             logger.info("%s server ready at %s", cfg.role, self.url)
+            if cfg.registration is not None:
+                self.registration = Registration(cfg.registration, self._registration_msg())
+                self.registration.start()
+
+    def _registration_msg(self) -> RegistrationMsg:
+        assert self.engine is not None and self.config.registration is not None
+        info = self.engine.info
+        host = self.advertised_host
+        return RegistrationMsg(
+            url=self.advertised_url,
+            role=info.role,
+            model=info.model_name,
+            dtype=info.dtype,
+            kv_layout=info.kv_layout,
+            engine_id=info.engine_id,
+            incarnation=info.incarnation,
+            ttl_s=self.config.registration.ttl_s,
+            bootstrap_host=host if info.bootstrap_port is not None else None,
+            bootstrap_port=info.bootstrap_port,
+        )
+
+    async def deregister(self) -> None:
+        """Leave every router this worker registered with (drain and stop call it first, so
+        no router sends it new requests); a no-op without ``--router``. Idempotent."""
+        if self.registration is not None:
+            await self.registration.deregister()
 
     def _transport_config(self, runner: ModelRunner) -> TransportConfig:
         tc = self.config.transport or TransportConfig(engine_id=self.config.engine.engine_id)
@@ -140,6 +181,10 @@ class Server:
             self.receiver = KVReceiver(self._transport_config(runner), runner.kv_pool, release)
             await self.receiver.start()
             engine.attach_handoff(DecodeHandoff(engine, self.receiver))
+        # Published to routers (/server_info, registration), which pair only equal layouts.
+        name = self.config.engine.model_name
+        layout = layout_of(runner.kv_pool, name, model_fingerprint(runner.model_config))
+        engine.info = replace(engine.info, dtype=layout.dtype, kv_layout=layout_fingerprint(layout))
 
     def _room_table(self) -> Any:
         transport = self.sender or self.receiver
@@ -150,6 +195,7 @@ class Server:
         return dict(transport.stats) if transport is not None else {}
 
     async def stop(self) -> None:
+        await self.deregister()
         if self._http is not None:
             await self._http.cleanup()
             self._http = None

@@ -46,3 +46,24 @@ def test_no_cpu_lease_lets_the_workers_compute_at_once(tmp_path) -> None:
 def test_a_given_thread_count_reaches_both_workers_unchanged(tmp_path) -> None:
     cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path), "--num-threads", "3"]))
     assert _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args]).num_threads == 3
+
+
+def test_each_cluster_gets_its_own_bootstrap_token_in_the_workers_environment(
+    tmp_path, monkeypatch
+) -> None:
+    from pdserve import launcher  # noqa: PLC0415
+    from pdserve.config_builder import server_config_from_args  # noqa: PLC0415
+    from pdserve.envs import BOOTSTRAP_TOKEN_ENV  # noqa: PLC0415
+
+    a, b = (cluster_config_from_args(parse_args(["--model", str(tmp_path)])) for _ in range(2))
+    assert a.bootstrap_token and a.bootstrap_token != b.bootstrap_token
+    assert a.bootstrap_token not in repr(a)
+    assert all(a.bootstrap_token not in " ".join(argv) for _, argv, _ in child_specs(a))
+    spawned: list[dict[str, str]] = []
+    monkeypatch.setattr(launcher, "_popen", lambda name, argv, env: spawned.append(env))
+    launcher.start_cluster(a, [])
+    assert [env[BOOTSTRAP_TOKEN_ENV] for env in spawned] == [a.bootstrap_token] * 3
+    monkeypatch.setenv(BOOTSTRAP_TOKEN_ENV, a.bootstrap_token)  # what a worker child sees
+    prefill_argv = next(argv for name, argv, _ in child_specs(a) if name == "prefill")
+    config = server_config_from_args(_serve_parse(prefill_argv[1:]))
+    assert config.transport.bootstrap_token == a.bootstrap_token

@@ -68,6 +68,8 @@ async def server_info(request: web.Request) -> web.Response:
             "incarnation": info.incarnation,
             "bootstrap_port": info.bootstrap_port,
             "max_model_len": info.max_model_len,
+            "dtype": info.dtype,
+            "kv_layout": info.kv_layout,
             "extra": info.extra,
         }
     )

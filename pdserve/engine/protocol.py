@@ -81,6 +81,8 @@ class EngineInfo:
     incarnation: str
     bootstrap_port: int | None = None  # prefill only
     extra: dict[str, Any] = field(default_factory=dict)
+    dtype: str = ""  # KV dtype, e.g. "bfloat16" (routers pair only equal ones)
+    kv_layout: str = ""  # transport.layout.layout_fingerprint of the page pool
 
 
 class TokenizerLike(Protocol):

@@ -22,6 +22,7 @@ from pdserve.router.errors import error_response
 from pdserve.router.legs import UpstreamClient
 from pdserve.router.metrics import build_registry
 from pdserve.router.proxy import Dispatcher
+from pdserve.router.registry_api import RegistryApi
 from pdserve.router.stats import RouterStats
 from pdserve.router.workers import HealthChecker, WorkerManager
 
@@ -157,6 +158,7 @@ class Router:
         app.router.add_get("/workers", self._list_workers)
         app.router.add_post("/workers", self._add_worker)
         app.router.add_delete("/workers", self._remove_worker)
+        RegistryApi(self.workers, self.health).add_routes(app)
         app.router.add_get("/debug/requests", self._debug_requests)
         return app
 

@@ -109,6 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2
     if not (config.prefill_urls or config.decode_urls or config.worker_urls):
-        logger.warning("no workers given; add them at run time with POST /workers")
+        logger.warning("no workers given: start workers with --router URL, or POST /workers")
     run_async(serve(config, args.parent_pid))
     return 0

@@ -19,7 +19,9 @@ import aiohttp
 import orjson
 
 from pdserve.router.breaker import CircuitBreaker
+from pdserve.router.compat import Identity, incompatible
 from pdserve.router.config import WORKER_ROLES, RouterConfig, normalize_worker_url
+from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class ServerInfoMsg:
     incarnation: str
     bootstrap_port: int | None
     max_model_len: int
+    dtype: str = ""  # KV dtype ("" from a worker that does not publish it)
+    kv_layout: str = ""  # transport.layout.layout_fingerprint of its page pool
 
     @classmethod
     def from_json(cls, raw: Any) -> ServerInfoMsg:
@@ -65,6 +69,8 @@ class ServerInfoMsg:
             incarnation=str(incarnation),
             bootstrap_port=port,
             max_model_len=max_len,
+            dtype=str(raw.get("dtype") or ""),
+            kv_layout=str(raw.get("kv_layout") or ""),
         )
 
 
@@ -80,7 +86,13 @@ class Worker:
     num_in_flight: int = 0
     last_error: str | None = None
     last_checked: float | None = None  # monotonic time of the last completed probe
-    host: str = field(init=False)  # the bootstrap host of a prefill is its URL's host
+    # Self-registered workers: the last registration and when its lease ends (monotonic);
+    # None for workers given by flags or POST /workers, which never expire.
+    registration: RegistrationMsg | None = None
+    lease_expires_at: float | None = None
+    incompatibility: str | None = None  # why it may not be paired (router/compat.py)
+    # The bootstrap host of a prefill: its registration's, else its URL's host.
+    host: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or ""
@@ -89,9 +101,17 @@ class Worker:
     def is_healthy(self) -> bool:
         return self.state == HEALTHY
 
+    @property
+    def identity(self) -> Identity | None:
+        """Model, dtype and KV layout, from the last probe, else the registration."""
+        src = self.info or self.registration
+        if src is None:
+            return None
+        return Identity(src.model, src.dtype, src.kv_layout)
+
     def is_available(self) -> bool:
-        """Healthy and its breaker lets a request through."""
-        return self.is_healthy and self.breaker.can_attempt()
+        """Healthy, pairable with the fleet, and its breaker lets a request through."""
+        return self.is_healthy and self.incompatibility is None and self.breaker.can_attempt()
 
     def to_json(self) -> dict[str, Any]:
         """The ``GET /workers`` entry."""
@@ -104,6 +124,12 @@ class Worker:
             "engine_id": info.engine_id if info else None,
             "model": info.model if info else None,
             "bootstrap_port": info.bootstrap_port if info else None,
+            "bootstrap_host": self.host if self.role == "prefill" else None,
+            "dtype": info.dtype if info else None,
+            "kv_layout": info.kv_layout if info else None,
+            "compatible": self.incompatibility is None,
+            "compatibility_error": self.incompatibility,
+            "registered": self.registration is not None,
             "in_flight": self.num_in_flight,
             "breaker": self.breaker.state,
             "breaker_failures": self.breaker.num_failures,
@@ -131,7 +157,75 @@ class WorkerManager:
         worker = Worker(url=url, role=role, breaker=breaker)
         self._workers[url] = worker
         logger.info("worker %s added as %s", url, role)
+        self.refresh_compatibility()
         return worker
+
+    def register(self, msg: RegistrationMsg) -> tuple[Worker, bool]:
+        """Add or renew a self-registered worker; (worker, is_new). ValueError on a role
+        conflict with the worker already at that URL."""
+        worker = self._workers.get(msg.url)
+        is_new = worker is None
+        if worker is None:
+            worker = self.add(msg.url, msg.role)
+        elif worker.role != msg.role:
+            raise ValueError(f"{msg.url} is registered as {worker.role}, not {msg.role}")
+        old = worker.registration
+        if old is not None and old.incarnation != msg.incarnation:
+            logger.info(
+                "worker %s re-registered: incarnation %s -> %s",
+                msg.url, old.incarnation, msg.incarnation,
+            )  # fmt: skip
+        worker.registration = msg
+        if msg.bootstrap_host:
+            worker.host = msg.bootstrap_host
+        if is_new or worker.lease_expires_at is not None:  # a static worker never expires
+            worker.lease_expires_at = self._clock() + msg.ttl_s
+        self.refresh_compatibility()
+        return worker, is_new
+
+    def deregister(self, msg: DeregistrationMsg) -> Worker | None:
+        """Remove a self-registered worker leaving on purpose (drain, stop). A static worker,
+        or a message from another incarnation than the registered one, is left alone."""
+        worker = self._workers.get(msg.url)
+        reg = worker.registration if worker is not None else None
+        if worker is None or worker.lease_expires_at is None or reg is None:
+            return None
+        if reg.incarnation != msg.incarnation:
+            logger.info(
+                "worker %s: ignoring deregistration of incarnation %s (registered: %s)",
+                msg.url, msg.incarnation, reg.incarnation,
+            )  # fmt: skip
+            return None
+        logger.info("worker %s (%s) deregistered", msg.url, worker.role)
+        return self.remove(msg.url)
+
+    def expire(self) -> list[Worker]:
+        """Forget self-registered workers whose lease ended; they come back when they renew."""
+        now = self._clock()
+        gone = [
+            w
+            for w in self._workers.values()
+            if w.lease_expires_at is not None and w.lease_expires_at <= now
+        ]
+        for w in gone:
+            logger.warning(
+                "worker %s (%s): lease expired %.1fs ago, forgotten",
+                w.url, w.role, now - (w.lease_expires_at or now),
+            )  # fmt: skip
+            self.remove(w.url)
+        return gone
+
+    def refresh_compatibility(self) -> None:
+        """Recompute which prefill/decode workers may be paired; logs every change."""
+        reasons = incompatible(list(self._workers.values()))
+        for w in self._workers.values():
+            reason = reasons.get(w.url)
+            if reason != w.incompatibility:
+                if reason is None:
+                    logger.info("worker %s (%s) is compatible again", w.url, w.role)
+                else:
+                    logger.error("worker %s (%s) not paired: %s", w.url, w.role, reason)
+                w.incompatibility = reason
 
     def remove(self, url: str) -> Worker | None:
         """Unregister; requests already on it finish. None if it was not registered."""
@@ -142,6 +236,7 @@ class WorkerManager:
         worker = self._workers.pop(url, None)
         if worker is not None:
             logger.info("worker %s (%s) removed", url, worker.role)
+            self.refresh_compatibility()
         return worker
 
     def get(self, url: str) -> Worker | None:
@@ -198,8 +293,10 @@ class HealthChecker:
 
     async def check_all(self) -> None:
         """One probe round over every registered worker, concurrently."""
+        self._workers.expire()
         workers = self._workers.all()
         await asyncio.gather(*(self.check(w) for w in workers))
+        self._workers.refresh_compatibility()
         self.num_rounds += 1
 
     async def check(self, worker: Worker) -> None:
@@ -207,6 +304,7 @@ class HealthChecker:
         result = await self.probe(worker.url)
         if self._workers.is_registered(worker):
             apply_probe(worker, result, time.monotonic())
+            self._workers.refresh_compatibility()
 
     async def probe(self, url: str) -> ProbeResult:
         """``GET /health/ready`` and ``/server_info`` of one URL, bounded by health_timeout_s."""

@@ -8,13 +8,15 @@ Routes (all bodies orjson, validated into ``*Msg`` before anything is touched):
 - ``POST /heartbeat``        HeartbeatMsg -> HeartbeatReplyMsg
 - ``GET  /peers``            debug view of the registered decode peers
 
-Errors are ``{"error": {"code", "message"}}`` with 400 (malformed), 404 (unknown peer: register
-first), 409 (duplicate room, stale incarnation) or 410 (room already aborted). The server knows
+Errors are ``{"error": {"code", "message"}}`` with 400 (malformed), 401 (missing or wrong
+bootstrap token, when the server has one), 404 (unknown peer: register first), 409 (duplicate
+room, stale incarnation) or 410 (room already aborted). The server knows
 nothing about rooms: it validates, then calls its :class:`BootstrapHandler` (the KVSender).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -37,6 +39,8 @@ from pdserve.transport.wire import MAX_ID_LEN, MessageError, decode, encode, err
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
+# The header that carries the shared secret of the bootstrap port (--bootstrap-token).
+TOKEN_HEADER = "X-PDServe-Bootstrap-Token"
 R = TypeVar("R")
 
 
@@ -67,15 +71,26 @@ class BootstrapServerStats:
     requests: int = 0
     bad_requests: int = 0  # 400: malformed or out-of-range messages
     rejected: int = 0  # 404/409/410 answers
+    unauthorized: int = 0  # 401: missing or wrong bootstrap token
 
 
 class BootstrapServer:
-    """aiohttp server of the prefill side. One per KVSender; binds ``host:port`` (0 = ephemeral)."""
+    """aiohttp server of the prefill side. One per KVSender; binds ``host:port`` (0 = ephemeral).
+
+    With a ``token`` every request (``/peers`` included) must carry it in ``TOKEN_HEADER``;
+    the comparison is constant-time.
+    """
 
     def __init__(
-        self, handler: BootstrapHandler, host: str, port: int, max_room_pages: int
+        self,
+        handler: BootstrapHandler,
+        host: str,
+        port: int,
+        max_room_pages: int,
+        token: str | None = None,
     ) -> None:
         self.handler = handler
+        self._token = token.encode() if token is not None else None
         self.host = host
         self.port = port
         self.max_room_pages = max_room_pages
@@ -84,7 +99,7 @@ class BootstrapServer:
 
     async def start(self) -> None:
         """Bind and serve; afterwards ``port`` is the actual port."""
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._check_token])
         app.add_routes(
             [
                 web.post("/register", self._register),
@@ -106,6 +121,21 @@ class BootstrapServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _check_token(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._token is not None:
+            given = request.headers.get(TOKEN_HEADER, "").encode()
+            if not hmac.compare_digest(given, self._token):
+                self.stats.unauthorized += 1
+                what = "wrong" if given else "missing"
+                logger.warning(
+                    "bootstrap %s %s from %s: %s token",
+                    request.method, request.path, request.remote, what,
+                )  # fmt: skip
+                msg = f"{what} bootstrap token: start both workers with the same --bootstrap-token"
+                return web.Response(status=401, body=error_body("unauthorized", msg), **_JSON)
+        return await handler(request)
 
     # -- routes ----------------------------------------------------------------------------
 
@@ -202,11 +232,15 @@ class PeerRejectedError(BootstrapError):
 
 
 class BootstrapClient:
-    """The decode side's HTTP client of prefill bootstrap servers (one session, many hosts)."""
+    """The decode side's HTTP client of prefill bootstrap servers (one session, many hosts);
+    sends ``token`` (the shared bootstrap secret) on every request when given."""
 
-    def __init__(self, connect_timeout_s: float, request_timeout_s: float) -> None:
+    def __init__(
+        self, connect_timeout_s: float, request_timeout_s: float, token: str | None = None
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
+        self._headers = {TOKEN_HEADER: token} if token is not None else {}
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -255,7 +289,9 @@ class BootstrapClient:
         )
         url = f"http://{host}:{port}{path}"
         try:
-            async with self._session.post(url, data=encode(msg), timeout=timeout) as resp:
+            async with self._session.post(
+                url, data=encode(msg), timeout=timeout, headers=self._headers
+            ) as resp:
                 body = await resp.read()
                 status = resp.status
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:

@@ -43,6 +43,9 @@ class TransportConfig:
     # How long a room's WRITE waits for the prefill forward that wrote its pages to finish on
     # the device (its KVReady marker): past it the room fails "transfer_error: kv not ready".
     kv_ready_timeout_s: float = 10.0
+    # Shared secret of the bootstrap port (``--bootstrap-token``): the prefill refuses every
+    # bootstrap request without it (401), the decode sends it. None: no authentication.
+    bootstrap_token: str | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_id or "@" in self.engine_id:
@@ -61,6 +64,8 @@ class TransportConfig:
             raise ValueError(f"abort_quarantine_s must be >= 0, got {self.abort_quarantine_s}")
         if self.max_chunk_pages < 0 or self.max_room_pages < 1:
             raise ValueError("max_chunk_pages must be >= 0 and max_room_pages >= 1")
+        if self.bootstrap_token is not None and not self.bootstrap_token.strip():
+            raise ValueError("bootstrap_token must be non-empty (or None for no token)")
         if not 0 <= self.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port out of range: {self.bootstrap_port}")
 

@@ -52,3 +52,13 @@ def layout_of(pool: KVPagePool, model: str = "", fingerprint: str = "") -> KVLay
         page_size=c.page_size,
         page_bytes=pool.page_bytes,
     )
+
+
+def layout_fingerprint(layout: KVLayoutMsg) -> str:
+    """A short hash of a layout's page shape and model architecture (not its served name).
+
+    Workers publish it to routers (``/server_info``, registration), which refuse to pair a
+    prefill and a decode whose values differ before any bootstrap is tried.
+    """
+    fields = {k: v for k, v in dataclasses.asdict(layout).items() if k != "model"}
+    return hashlib.sha256(orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]

@@ -94,8 +94,9 @@ class KVSender:
         self._on_release = on_release
         self.faults = maybe_injector(config.faults)
         self._server = BootstrapServer(
-            self, config.bootstrap_host, config.bootstrap_port, config.max_room_pages
-        )
+            self, config.bootstrap_host, config.bootstrap_port, config.max_room_pages,
+            config.bootstrap_token,
+        )  # fmt: skip
         self.counters = SenderStats()
         self.layout = layout_of(pool, config.model_name, config.model_fingerprint)
         self._agent: KVAgent | None = None

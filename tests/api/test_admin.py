@@ -30,6 +30,8 @@ async def test_server_info_describes_the_engine(client: TestClient, engine: Fake
         "incarnation": "inc-1",
         "bootstrap_port": None,
         "max_model_len": engine.info.max_model_len,
+        "dtype": "",  # the fake engine publishes no KV layout (a Server fills both in)
+        "kv_layout": "",
         "extra": {},
     }
 

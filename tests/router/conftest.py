@@ -55,6 +55,8 @@ class FakeWorker:
         self.role = role
         self.board = board
         self.model = "fake-model"
+        self.dtype = "bfloat16"
+        self.kv_layout = "layout-1"  # what /server_info publishes (router/compat.py)
         self.incarnation = "inc-1"
         self.bootstrap_port = bootstrap_port if role == "prefill" else None
         self.is_ready = True
@@ -129,6 +131,8 @@ class FakeWorker:
             "incarnation": self.incarnation,
             "bootstrap_port": self.bootstrap_port,
             "max_model_len": 4096,
+            "dtype": self.dtype,
+            "kv_layout": self.kv_layout,
         }
         return web.json_response(info)
 

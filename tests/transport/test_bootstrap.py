@@ -12,7 +12,12 @@ import pytest
 import pytest_asyncio
 
 from pdserve.fsm import Room, RoomState
-from pdserve.transport.bootstrap import BootstrapClient, PeerRejectedError, PeerUnreachableError
+from pdserve.transport.bootstrap import (
+    TOKEN_HEADER,
+    BootstrapClient,
+    PeerRejectedError,
+    PeerUnreachableError,
+)
 from pdserve.transport.messages import HeartbeatMsg, RoomMsg
 from pdserve.transport.receiver import KVReceiver
 from pdserve.transport.sender import KVSender
@@ -174,3 +179,34 @@ async def test_metadata_nixl_cannot_load_is_a_400_and_the_server_keeps_serving(
     assert [p["engine_id"] for p in sender.debug_peers()] == ["decode-0"]
     assert sender.send("live", [0, 1], 20, first_token=8)
     assert (await outcome(room)).state == RoomState.SUCCESS
+
+
+async def test_a_token_protected_bootstrap_port_refuses_requests_without_the_token(
+    endpoints: Endpoints, http: aiohttp.ClientSession
+) -> None:
+    sender, _ = await endpoints.sender(bootstrap_token="s3cret")
+    base = f"http://{LOCAL}:{sender.bootstrap_port}"
+    for headers in ({}, {TOKEN_HEADER: "wrong"}, {TOKEN_HEADER: "s3cre"}):
+        async with http.get(f"{base}/peers", headers=headers) as resp:
+            reply = orjson.loads(await resp.read())
+        assert (resp.status, reply["error"]["code"]) == (401, "unauthorized")
+        assert "--bootstrap-token" in reply["error"]["message"]
+    assert sender._server.stats.unauthorized == 3
+    async with http.get(f"{base}/peers", headers={TOKEN_HEADER: "s3cret"}) as resp:
+        assert resp.status == 200
+
+
+async def test_a_decode_with_the_token_pairs_and_one_without_fails_its_room(
+    endpoints: Endpoints,
+) -> None:
+    sender, _ = await endpoints.sender(bootstrap_token="s3cret")
+    good, _ = await endpoints.receiver("decode-good", bootstrap_token="s3cret")
+    bad, _ = await endpoints.receiver("decode-bad", bootstrap_token="guess")
+    sender.open_room("ok", "req")
+    room = await good.open_room("ok", "req", LOCAL, sender.bootstrap_port, [4, 5], 20)
+    await until(lambda: room.state == RoomState.WAITING_FOR_INPUT.value, what="pages posted")
+    refused = await bad.open_room("no", "req", LOCAL, sender.bootstrap_port, [6], 10)
+    await until(lambda: refused.is_terminal, what="the refused room ends")
+    assert refused.state == RoomState.FAILED.value
+    assert "unauthorized" in (refused.reason or ""), refused.reason
+    assert [p["engine_id"] for p in sender.debug_peers()] == ["decode-good"]

@@ -14,7 +14,7 @@ import torch
 from pdserve.fsm import RoomState
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.model.config import ModelConfig
-from pdserve.transport.layout import layout_of, model_fingerprint
+from pdserve.transport.layout import layout_fingerprint, layout_of, model_fingerprint
 from tests.transport.conftest import KV, Endpoints, outcome
 
 LOCAL = "127.0.0.1"
@@ -49,6 +49,19 @@ def test_layout_of_a_pool_reads_its_page_shape_and_dtype() -> None:
     assert (layout.model, layout.fingerprint, layout.dtype) == ("m", "f", "float16")
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2, 2, 16)
     assert (layout.page_size, layout.page_bytes) == (16, 2 * 2 * 16 * 2 * 16 * 2)
+
+
+def test_the_layout_fingerprint_routers_compare_ignores_only_the_served_name() -> None:
+    base = layout_fingerprint(layout_of(pool(), "m", "f"))
+    assert layout_fingerprint(layout_of(pool(), "renamed", "f")) == base
+    assert len(base) == 16
+    others = [
+        layout_of(pool(dtype=torch.float16), "m", "f"),
+        layout_of(pool(num_layers=4, head_dim=8), "m", "f"),  # same page bytes
+        layout_of(pool(page_size=8, head_dim=32), "m", "f"),
+        layout_of(pool(), "m", "another-architecture"),
+    ]
+    assert len({layout_fingerprint(x) for x in others} | {base}) == len(others) + 1
 
 
 # Each case differs from the sender's layout in the named field(s). dtype and the layer/head
