@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from bench.netns import Fabric, FabricError, in_netns, remove_stale_namespaces, 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 CONNECT_TIMEOUT_S = 1.0
+OURS = f"{netns.NS_PREFIX}-{os.getpid()}-"  # the default tag: this process's namespaces
 
 
 def namespaces() -> set[str]:
@@ -55,7 +57,7 @@ def connects(fabric: Fabric, src: str, dst: str, port: int) -> bool:
 
 def test_hosts_reach_each_other_and_a_cut_host_hears_nothing_until_restored() -> None:
     links_before = own_links()
-    with Fabric(["a", "b"], tag="t1") as fabric, listener(fabric, "b") as port:
+    with Fabric(["a", "b"]) as fabric, listener(fabric, "b") as port:
         assert fabric.address("a") != fabric.address("b")
         assert connects(fabric, "a", "b", port)
         fabric.cut("b")
@@ -64,7 +66,7 @@ def test_hosts_reach_each_other_and_a_cut_host_hears_nothing_until_restored() ->
         assert connects(fabric, "a", "b", port)
         assert fabric.link_bytes("b").rx > 0
         assert own_links() == links_before  # nothing added to the caller's namespace
-    assert not {n for n in namespaces() if n.startswith("pdsv-t1-")}
+    assert not {n for n in namespaces() if n.startswith(OURS)}
 
 
 def test_a_failed_open_removes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,9 +81,9 @@ def test_a_failed_open_removes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(Fabric, "_add_host", failing)
     with pytest.raises(FabricError):
-        Fabric(["a", "b"], tag="t2").open()
+        Fabric(["a", "b"]).open()
     assert made == ["a"]
-    assert not {n for n in namespaces() if n.startswith("pdsv-t2-")}
+    assert not {n for n in namespaces() if n.startswith(OURS)}
 
 
 def test_namespaces_of_a_crashed_run_are_removed_by_the_next() -> None:
