@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,7 +65,7 @@ async def _router_state(cluster: HostsCluster, url: str) -> str | None:
     return next((w["state"] for w in listed if w["url"] == url), None)
 
 
-async def _poll(check, max_wait_s: float) -> bool:  # noqa: ANN001 - an async predicate
+async def _poll(check: Callable[[], Awaitable[bool]], max_wait_s: float) -> bool:
     """True once ``await check()`` holds within ``max_wait_s`` (errors count as not yet)."""
     deadline = time.monotonic() + max_wait_s
     while True:
