@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -61,10 +62,16 @@ def unavailable_reason() -> str | None:
     if shutil.which("ip") is None:
         return "the iproute2 'ip' command is missing"
     try:
-        with Fabric(["probe"]):
-            pass
-    except FabricError as e:
-        return f"this kernel/container refuses network namespaces or veths: {e}"
+        with Fabric(["probe"]) as fabric:
+            # Both ways in: a process started there (ip netns exec mounts a sysfs) and a
+            # socket of this thread (setns).
+            argv = [*fabric.exec_prefix("probe"), sys.executable, "-c", "pass"]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+            if done.returncode != 0:
+                return f"ip netns exec is refused here: {done.stderr.strip()}"
+            fabric.socket_factory("probe")((socket.AF_INET, socket.SOCK_STREAM, 0, "", ())).close()
+    except (FabricError, OSError, subprocess.TimeoutExpired) as e:
+        return f"this kernel/container refuses network namespaces, veths or setns: {e}"
     return None
 
 

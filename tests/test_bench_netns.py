@@ -17,7 +17,7 @@ from bench import netns
 from bench.netns import Fabric, FabricError, in_netns, remove_stale_namespaces, unavailable_reason
 
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+needs_netns = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 CONNECT_TIMEOUT_S = 1.0
 OURS = f"{netns.NS_PREFIX}-{os.getpid()}-"  # the default tag: this process's namespaces
 
@@ -55,6 +55,7 @@ def connects(fabric: Fabric, src: str, dst: str, port: int) -> bool:
         return True
 
 
+@needs_netns
 def test_hosts_reach_each_other_and_a_cut_host_hears_nothing_until_restored() -> None:
     links_before = own_links()
     with Fabric(["a", "b"]) as fabric, listener(fabric, "b") as port:
@@ -69,6 +70,7 @@ def test_hosts_reach_each_other_and_a_cut_host_hears_nothing_until_restored() ->
     assert not {n for n in namespaces() if n.startswith(OURS)}
 
 
+@needs_netns
 def test_a_failed_open_removes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
     made = []
     real = Fabric._add_host
@@ -86,6 +88,7 @@ def test_a_failed_open_removes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> 
     assert not {n for n in namespaces() if n.startswith(OURS)}
 
 
+@needs_netns
 def test_namespaces_of_a_crashed_run_are_removed_by_the_next() -> None:
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
@@ -102,3 +105,8 @@ def test_namespaces_of_a_crashed_run_are_removed_by_the_next() -> None:
 def test_host_names_must_be_distinct() -> None:
     with pytest.raises(ValueError):
         Fabric(["a", "a"])
+
+
+def test_a_machine_without_root_is_told_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "root" in (unavailable_reason() or "")
