@@ -2,7 +2,8 @@
 enough of its requests are streaming, SIGKILLs one process (decode, then prefill, then router),
 restarts it on the same ports and lets the round finish; the *faults phase* restarts the workers
 with the transport's fault injection (delayed writes, failed transfers, dropped notifications)
-and runs a round on them. After every phase:
+and runs a round on them; ``--link-cut ROLE`` instead cuts a worker host's network link under
+load, on network namespaces (bench/chaos_link_cut.py). After every phase:
 
 - the abort storm's request invariants (never answered = 0, no malformed answer, completed
   requests have all their tokens; streams cut without ``[DONE]`` only when the router died);
@@ -13,6 +14,7 @@ and runs a round on them. After every phase:
 
     python bench/chaos.py --quick
     python bench/chaos.py --requests 300 --concurrency 24 --rounds 2 --seed 1 --num-decode 2
+    sudo python bench/chaos.py --quick --link-cut decode
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class PhaseReport:
     restart_s: float | None = None  # SIGKILL -> the new process answers /health/ready
     rejoin_s: float | None = None  # ready -> the router uses it again (nothing else restarted)
     faults: dict[str, float] = field(default_factory=dict)
+    cut: str | None = None  # the host whose link was cut (bench/chaos_link_cut.py)
+    measured: dict[str, float | str] = field(default_factory=dict)  # a phase's own figures
 
 
 @dataclass
@@ -271,6 +275,10 @@ def _format_phase(p: PhaseReport) -> list[str]:
         line += f"; killed {p.killed}, back in {p.restart_s}s, rejoined +{p.rejoin_s}s"
     if p.faults:
         line += f"; faults {p.faults}"
+    if p.cut:
+        line += f"; cut {p.cut}'s link, rejoined +{p.rejoin_s}s"
+    if p.measured:
+        line += "; " + ", ".join(f"{k} {v}" for k, v in p.measured.items())
     lines = [line]
     if q.errors_by_kind:
         lines.append(
@@ -286,12 +294,21 @@ def quick_config(seed: int = 0) -> ChaosConfig:
     return ChaosConfig(storm, kill_roles=("decode",))
 
 
+def link_cut_config(storm: StormConfig) -> ChaosConfig:
+    """The link-cut phase: the storm alone, no kills, no fault plans."""
+    return ChaosConfig(storm, kill_roles=(), prefill_faults=None, decode_faults=None)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_size_args(p, StormConfig(router_url="", num_rounds=1, request_rate=CHAOS_RATE))
     p.add_argument("--kill", default=",".join(KILL_ROLES), help="roles to kill, in order")
     p.add_argument("--no-faults", action="store_true", help="skip the faults phase")
     p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument(
+        "--link-cut", choices=("decode", "prefill"), default=None,
+        help="instead: cut a ROLE host's link under load on network namespaces (root; 2+2 workers)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     storm = storm_config_from_args(args, QUICK)
     kill_roles = tuple(r for r in args.kill.split(",") if r)
@@ -301,7 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_faults:
         cfg = replace(cfg, prefill_faults=None, decode_faults=None)
     spec = replace(cluster_spec_from_args(args), num_decode=args.num_decode)
-    summary = asyncio.run(run_chaos(cfg, spec))
+    if args.link_cut:
+        from bench.chaos_link_cut import run_link_cut  # it builds on this module
+
+        summary = asyncio.run(run_link_cut(link_cut_config(storm), spec, args.link_cut))
+    else:
+        summary = asyncio.run(run_chaos(cfg, spec))
     if args.json:
         print(json.dumps(summary.to_json()))
     else:

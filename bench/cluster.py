@@ -198,6 +198,10 @@ class Cluster:
     def _env(self) -> dict[str, str]:
         return {"PDSERVE_LOG_LEVEL": self.spec.log_level}
 
+    def _connector(self) -> aiohttp.TCPConnector:
+        """The bench's HTTP connections (a subclass may open them from elsewhere)."""
+        return aiohttp.TCPConnector(force_close=True)
+
     async def __aenter__(self) -> Cluster:
         await self.start()
         return self
@@ -207,7 +211,7 @@ class Cluster:
 
     async def start(self) -> None:
         """Start every process at once (any order works) and wait until all are ready."""
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        self._session = aiohttp.ClientSession(connector=self._connector())
         try:
             for proc in self.procs:
                 proc.start()
