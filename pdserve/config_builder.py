@@ -88,6 +88,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port if args.port is not None else DEFAULT_PORTS[args.role],
         cpu_lease_path=args.cpu_lease,
+        drain_timeout_s=args.drain_timeout,
     )
 
 

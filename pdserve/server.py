@@ -23,6 +23,7 @@ asyncio.run(main())
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.api.app import build_app, start_http
 from pdserve.api.config import ApiConfig
+from pdserve.api.drain import DrainGate
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.engine import Engine
@@ -60,6 +62,13 @@ class ServerConfig:
     serve_http: bool = True
     # Workers given the same file take turns at the cores for model steps (engine/cpu_lease.py).
     cpu_lease_path: str | None = None
+    # A drain (SIGTERM, POST /drain) waits this long for requests and KV rooms in flight.
+    drain_timeout_s: float = 30.0
+    drain_poll_s: float = 0.05  # how often a drain looks whether the worker is idle
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain timeout must be >= 0, got {self.drain_timeout_s}")
 
     @property
     def role(self) -> str:
@@ -78,6 +87,10 @@ class Server:
         self.receiver: KVReceiver | None = None
         self._http: web.AppRunner | None = None
         self.port: int | None = None
+        self.drain_gate = DrainGate()
+        self.drain_gate.on_begin(self._on_drain_begin)
+        self._drain_task: asyncio.Task[bool] | None = None
+        self._stop_code: str | None = None  # the error code requests still running at stop get
 
     @property
     def url(self) -> str:
@@ -111,7 +124,7 @@ class Server:
         await engine.start()
         if cfg.serve_http:
             api = cfg.api or ApiConfig(served_model_name=cfg.engine.model_name)
-            app = build_app(engine, api, self.registry)
+            app = build_app(engine, api, self.registry, self.drain_gate)
             self._http, self.port = await start_http(app, cfg.host, cfg.port)
             logger.info("%s server ready at %s", cfg.role, self.url)
 
@@ -149,12 +162,61 @@ class Server:
         transport = self.sender or self.receiver
         return dict(transport.stats) if transport is not None else {}
 
+    # ---- drain ------------------------------------------------------------------------------
+    def is_idle(self) -> bool:
+        """No request in the engine (any state) and no KV hand-off room alive."""
+        engine = self.engine
+        return engine is None or (not engine.load()["num_requests"] and not engine.debug_rooms())
+
+    @property
+    def drained(self) -> asyncio.Task[bool] | None:
+        """The drain in progress (its result: whether everything finished in time), or None."""
+        return self._drain_task
+
+    async def drain(self, reason: str = "drain requested") -> bool:
+        """Readiness off, new requests turned away (retryable 503), then wait up to
+        ``drain_timeout_s`` for what is in flight. True if the worker got idle in time; the
+        caller then calls :meth:`stop`, which ends whatever is left with ``drain_timeout``."""
+        self.drain_gate.begin(reason)
+        assert self._drain_task is not None
+        return await asyncio.shield(self._drain_task)
+
+    def _on_drain_begin(self, reason: str) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(
+            self._wait_idle(reason), name="pdserve-drain"
+        )
+
+    async def _wait_idle(self, reason: str) -> bool:
+        loop = asyncio.get_running_loop()
+        timeout_s = self.config.drain_timeout_s
+        deadline = loop.time() + timeout_s
+        # Polled, not evented: "idle" spans the engine and the room table; a 50 ms look is cheap.
+        while not self.is_idle() and loop.time() < deadline:
+            await asyncio.sleep(self.config.drain_poll_s)
+        if self.is_idle():
+            logger.info("drain: %s finished in flight work (%s)", self.config.role, reason)
+            return True
+        self._stop_code = "drain_timeout"
+        load = self.engine.load() if self.engine is not None else {}
+        logger.warning(
+            "drain: %s not idle after %gs (%s requests, %d rooms); ending them",
+            self.config.role,
+            timeout_s,
+            load.get("num_requests"),
+            len(self.engine.debug_rooms()) if self.engine is not None else 0,
+        )
+        return False
+
     async def stop(self) -> None:
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()
+            self._stop_code = "drain_timeout"
+        if self.engine is not None:
+            # Fail what is left first, so open streams end with a clear error, not a cut.
+            await self.engine.stop(code=self._stop_code)
         if self._http is not None:
             await self._http.cleanup()
             self._http = None
-        if self.engine is not None:
-            await self.engine.stop()
         for transport in (self.sender, self.receiver):
             if transport is not None:
                 await transport.stop()

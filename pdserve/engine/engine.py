@@ -99,10 +99,12 @@ class Engine:
         await self._warmup()
         self._ready = True
 
-    async def stop(self) -> None:
+    async def stop(self, code: str | None = None) -> None:
+        """Fail every request left with a 503 (``code``: e.g. ``drain_timeout``) and stop."""
         self._ready = False
         for req in list(self._requests.values()):
-            self._fail(req, EngineError("server shutting down", 503, "service_unavailable"))
+            msg = "server shutting down" if code is None else f"server shutting down ({code})"
+            self._fail(req, EngineError(msg, 503, "service_unavailable", code))
         tasks = [t for t in (self._loop_task, *self._free_waits) if t is not None]
         for task in tasks:
             task.cancel()
@@ -460,6 +462,17 @@ class Engine:
         for req in self._requests.values():
             ages[req.state.value] = max(ages[req.state.value], now - req.state_entered)
         return ages
+
+    def load(self) -> dict[str, int]:
+        """What a router weighs this worker by: requests per state and free KV pages."""
+        alloc = self.allocator
+        return {
+            **self.count_by_state(),
+            "num_requests": len(self._requests),
+            "free_pages": alloc.num_free,
+            "total_pages": alloc.num_pages,
+            "page_size": self.runner.kv_config.page_size,
+        }
 
     def debug_requests(self) -> list[dict[str, Any]]:
         now = time.monotonic()
