@@ -64,7 +64,6 @@ class ServerConfig:
     cpu_lease_path: str | None = None
     # A drain (SIGTERM, POST /drain) waits this long for requests and KV rooms in flight.
     drain_timeout_s: float = 30.0
-    drain_poll_s: float = 0.05  # how often a drain looks whether the worker is idle
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s >= 0:
@@ -163,11 +162,6 @@ class Server:
         return dict(transport.stats) if transport is not None else {}
 
     # ---- drain ------------------------------------------------------------------------------
-    def is_idle(self) -> bool:
-        """No request in the engine (any state) and no KV hand-off room alive."""
-        engine = self.engine
-        return engine is None or (not engine.load()["num_requests"] and not engine.debug_rooms())
-
     @property
     def drained(self) -> asyncio.Task[bool] | None:
         """The drain in progress (its result: whether everything finished in time), or None."""
@@ -187,25 +181,21 @@ class Server:
         )
 
     async def _wait_idle(self, reason: str) -> bool:
-        loop = asyncio.get_running_loop()
         timeout_s = self.config.drain_timeout_s
-        deadline = loop.time() + timeout_s
-        # Polled, not evented: "idle" spans the engine and the room table; a 50 ms look is cheap.
-        while not self.is_idle() and loop.time() < deadline:
-            await asyncio.sleep(self.config.drain_poll_s)
-        if self.is_idle():
-            logger.info("drain: %s finished in flight work (%s)", self.config.role, reason)
-            return True
-        self._stop_code = "drain_timeout"
-        load = self.engine.load() if self.engine is not None else {}
-        logger.warning(
-            "drain: %s not idle after %gs (%s requests, %d rooms); ending them",
-            self.config.role,
-            timeout_s,
-            load.get("num_requests"),
-            len(self.engine.debug_rooms()) if self.engine is not None else 0,
-        )
-        return False
+        try:
+            if self.engine is not None:
+                async with asyncio.timeout(timeout_s):
+                    await self.engine.wait_idle()
+        except TimeoutError:
+            self._stop_code = "drain_timeout"
+            num_left = self.engine.load()["num_requests"] if self.engine is not None else 0
+            logger.warning(
+                "drain: %s not idle after %gs (%d requests left); ending them with %s",
+                self.config.role, timeout_s, num_left, self._stop_code,
+            )  # fmt: skip
+            return False
+        logger.info("drain: %s finished its requests in flight (%s)", self.config.role, reason)
+        return True
 
     async def stop(self) -> None:
         if self._drain_task is not None and not self._drain_task.done():
