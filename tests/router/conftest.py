@@ -71,6 +71,7 @@ class FakeWorker:
         self.aborts: list[str] = []
         self.cancelled: list[str] = []  # handlers cancelled: the router went away
         self.num_health_checks = 0
+        self.load: dict[str, Any] | None = None  # reported as server_info.load when set
         self._abort_events: dict[str, asyncio.Event] = {}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -130,6 +131,8 @@ class FakeWorker:
             "bootstrap_port": self.bootstrap_port,
             "max_model_len": 4096,
         }
+        if self.load is not None:
+            info["load"] = self.load
         return web.json_response(info)
 
     async def _models(self, request: web.Request) -> web.Response:
