@@ -194,6 +194,8 @@ class Dispatcher:
             reply = last.reply
             ctx.outcome = str(reply.status)
             headers["Content-Type"] = reply.content_type or "application/json"
+            if reply.is_draining:  # every worker tried is draining: say when to come back
+                headers["Retry-After"] = str(self._config.retry_after_s)
             return web.Response(status=reply.status, body=reply.body, headers=headers)
         if ctx.is_aborted:
             ctx.outcome = "503"
@@ -201,6 +203,8 @@ class Dispatcher:
         status = last.status if last is not None else 503
         reason = last.reason if last is not None else "no attempt made"
         ctx.outcome = str(status)
+        if status == 503:  # no usable path now (down, draining): retryable, say when
+            headers["Retry-After"] = str(self._config.retry_after_s)
         return error_response(status, f"router: {reason}", code="upstream_failed", headers=headers)
 
     def _admission(self, ctx: RequestCtx) -> web.Response | None:

@@ -95,3 +95,19 @@ async def test_router_drain_finishes_streams_and_turns_new_requests_away(
 async def _get(url: str) -> tuple[int, bytes]:
     async with aiohttp.ClientSession() as session, session.get(url) as resp:
         return resp.status, await resp.read()
+
+
+async def test_when_every_decode_drains_the_client_gets_the_retryable_503_with_retry_after(
+    make_worker, make_router
+):
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    decode.fail_status, decode.fail_code = 503, "draining"
+    router = await make_router(prefill_urls=(prefill.url,), decode_urls=(decode.url,))
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(router.url + "/v1/chat/completions", json=CHAT) as resp,
+    ):
+        status, retry_after, body = resp.status, resp.headers.get("Retry-After"), await resp.read()
+    assert status == 503 and retry_after is not None and retry_after.isdigit()
+    assert orjson.loads(body)["error"]["code"] in ("draining", "upstream_failed")
+    assert (await _get(router.url + "/health/ready"))[0] == 503  # out of rotation at once
