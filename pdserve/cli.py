@@ -6,12 +6,15 @@ import argparse
 import asyncio
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logging
 from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
+
+if TYPE_CHECKING:
+    from pdserve.server import Server
 
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 
@@ -140,13 +143,15 @@ async def _serve_forever(config: object, parent_pid: int | None = None) -> None:
         await server.stop()
 
 
-def _on_sigterm(server: Any, stop: asyncio.Event) -> None:
+def _on_sigterm(server: Server, stop: asyncio.Event) -> None:
     if not server.drain_gate.begin("SIGTERM"):
         stop.set()
 
 
-def _stop_after_drain(server: Any, stop: asyncio.Event) -> None:
-    # Runs after the server's own listener, which started the drain task.
+def _stop_after_drain(server: Server, stop: asyncio.Event) -> None:
+    # Runs after the server's own listener, which started the drain task: once the drain ends
+    # (idle, or its timeout), the process stops and exits 0.
+    assert server.drained is not None
     server.drained.add_done_callback(lambda _task: stop.set())
 
 
