@@ -22,6 +22,7 @@ class WorkerLoad:
     waiting_for_kv: int = 0  # decode: pages lent to a room, KV not there yet
     running: int = 0
     free_pages: int | None = None  # None: not reported (then pages never block admission)
+    total_pages: int | None = None
     page_size: int | None = None
     draining: bool = False
 
@@ -33,7 +34,15 @@ class WorkerLoad:
         if not isinstance(raw, dict):
             raise ValueError("server_info.load is not a JSON object")
         ints: dict[str, int | None] = {}
-        for name in ("num_requests", "waiting", "waiting_for_kv", "running", "free_pages"):
+        names = (
+            "num_requests",
+            "waiting",
+            "waiting_for_kv",
+            "running",
+            "free_pages",
+            "total_pages",
+        )
+        for name in names:
             value = raw.get(name)
             if value is not None and (type(value) is not int or value < 0):
                 raise ValueError(f"server_info.load.{name} invalid: {value!r}")
@@ -47,6 +56,7 @@ class WorkerLoad:
             waiting_for_kv=ints["waiting_for_kv"] or 0,
             running=ints["running"] or 0,
             free_pages=ints["free_pages"],
+            total_pages=ints["total_pages"],
             page_size=page_size,
             draining=raw.get("draining") is True,
         )
@@ -87,7 +97,9 @@ def refusal(load: WorkerLoad | None, tokens: int, max_queue: int) -> str | None:
         return f"{load.queued} requests queued (limit {max_queue})"
     if load.free_pages is not None and load.page_size:
         pages = -(-tokens // load.page_size)
-        if pages > load.free_pages:
+        # One that can never fit is the worker's to refuse (a 400 naming the field), not ours.
+        fits_at_all = load.total_pages is None or pages <= load.total_pages
+        if pages > load.free_pages and fits_at_all:
             return f"{pages} KV pages needed, {load.free_pages} free"
     return None
 

@@ -214,9 +214,11 @@ class Dispatcher:
         holders = self._workers.available("decode") if self._workers.available("prefill") else []
         holders = holders or self._workers.available("colocated")
         cfg = self._config
-        reason = admission_refusal(
-            [w.load for w in holders], tokens_needed(ctx.body), cfg.max_worker_queue
-        )
+        tokens = tokens_needed(ctx.body)
+        max_len = min((w.info.max_model_len for w in holders if w.info is not None), default=None)
+        if max_len is not None and tokens > max_len:
+            return None  # over the context window: the worker's 400 says so, not a 429
+        reason = admission_refusal([w.load for w in holders], tokens, cfg.max_worker_queue)
         if reason is None:
             return None
         self._stats.num_shed += 1

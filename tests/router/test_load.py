@@ -55,6 +55,9 @@ def test_a_worker_refuses_when_draining_queued_over_the_limit_or_short_of_pages(
     assert "KV pages" in (refusal(_load(free_pages=3), 16 * 3 + 1, max_queue=8) or "")
     assert refusal(_load(free_pages=3), 16 * 3, max_queue=8) is None
     assert refusal(None, 10**6, max_queue=1) is None  # no report: never refused on a guess
+    # More than the whole cache: the worker refuses it with a 400, not the router with a 429.
+    assert refusal(_load(free_pages=3, total_pages=10), 16 * 11, max_queue=8) is None
+    assert refusal(_load(free_pages=3, total_pages=10), 16 * 10, max_queue=8) is not None
 
 
 def test_admission_refuses_only_when_every_worker_refuses() -> None:
