@@ -2,8 +2,11 @@
 enough of its requests are streaming, SIGKILLs one process (decode, then prefill, then router),
 restarts it on the same ports and lets the round finish; the *faults phase* restarts the workers
 with the transport's fault injection (delayed writes, failed transfers, dropped notifications)
-and runs a round on them; ``--link-cut ROLE`` instead cuts a worker host's network link under
-load, on network namespaces (bench/chaos_link_cut.py). After every phase:
+and runs a round on them. The *graceful phases* (bench/chaos_drain.py) SIGTERM instead: ``drain``
+drains one decode under a storm round, ``rolling`` drains and restarts every worker in turn;
+with two workers of each role no request may fail there. ``--link-cut ROLE`` instead cuts a
+worker host's network link under load, on network namespaces (bench/chaos_link_cut.py). After
+every phase:
 
 - the abort storm's request invariants (never answered = 0, no malformed answer, completed
   requests have all their tokens; streams cut without ``[DONE]`` only when the router died);
@@ -13,6 +16,7 @@ load, on network namespaces (bench/chaos_link_cut.py). After every phase:
 - and at the end: no ``Traceback`` in any log (all lives of every process).
 
     python bench/chaos.py --quick
+    python bench/chaos.py --quick-drain        # drain + rolling restart, 2 prefills + 2 decodes
     python bench/chaos.py --requests 300 --concurrency 24 --rounds 2 --seed 1 --num-decode 2
     sudo python bench/chaos.py --quick --link-cut decode
 """
@@ -43,10 +47,12 @@ from bench.abort_storm import (  # noqa: E402
     storm_config_from_args,
     traceback_invariant,
 )
+from bench.chaos_drain import graceful_phase  # noqa: E402
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, check_idle, scrape  # noqa: E402
 
 QUICK = {"num_requests": 100, "concurrency": 12, "num_rounds": 1}
 KILL_ROLES = ("decode", "prefill", "router")
+GRACEFUL = ("drain", "rolling")  # bench/chaos_drain.py: SIGTERM one decode; every worker in turn
 CHAOS_RATE = 8.0  # requests/s: a round spans the kill, the downtime and the restart
 
 
@@ -58,6 +64,7 @@ class ChaosConfig:
 
     storm: StormConfig
     kill_roles: tuple[str, ...] = KILL_ROLES
+    graceful: tuple[str, ...] = GRACEFUL  # drain / rolling-restart phases, after the kills
     prefill_faults: str | None = '{"delay_s": 0.005, "fail_transfer_prob": 0.02}'
     decode_faults: str | None = '{"drop_notif_prob": 0.05}'
     num_recovery_requests: int = 6  # a burst that must complete after each restart
@@ -130,6 +137,23 @@ async def kill_phase(cluster: Cluster, cfg: ChaosConfig, role: str, cycle: int) 
     rejoin = asyncio.create_task(_rejoin(cluster, cfg, report, label))  # while the storm goes on
     report.summary.add(await storm)
     report.summary.invariants.append(await rejoin)
+    await _after_restart(cluster, cfg, report, label)
+    return report
+
+
+async def drain_phase(cluster: Cluster, cfg: ChaosConfig, kind: str, cycle: int) -> PhaseReport:
+    """``drain``: SIGTERM one decode under a storm round; ``rolling``: every worker in turn."""
+    label = f"{kind}-{cycle}"
+    if kind == "drain":
+        victims = [_victim(cluster, "decode", cycle)]
+    else:
+        victims = list(cluster.workers)
+    report = PhaseReport(label, StormSummary(), killed=None)
+    summary, checks = await graceful_phase(
+        cluster, cfg.storm, label, victims, lambda: _rejoin(cluster, cfg, report, label)
+    )
+    report.summary = summary
+    summary.invariants += checks
     await _after_restart(cluster, cfg, report, label)
     return report
 
@@ -234,6 +258,8 @@ async def run_phases(cluster: Cluster, cfg: ChaosConfig) -> ChaosSummary:
     for cycle in range(cfg.storm.num_rounds):
         for role in cfg.kill_roles:
             out.phases.append(await kill_phase(cluster, cfg, role, cycle))
+        for kind in cfg.graceful:
+            out.phases.append(await drain_phase(cluster, cfg, kind, cycle))
     if cfg.prefill_faults or cfg.decode_faults:
         out.phases.append(await faults_phase(cluster, cfg))
     out.invariants.append(traceback_invariant(cluster.target()))
@@ -291,7 +317,15 @@ def _format_phase(p: PhaseReport) -> list[str]:
 def quick_config(seed: int = 0) -> ChaosConfig:
     """The bounded CI size (``--quick``): one decode kill/restart, then the faults phase."""
     storm = StormConfig(router_url="", seed=seed, request_rate=CHAOS_RATE, **QUICK)
-    return ChaosConfig(storm, kill_roles=("decode",))
+    return ChaosConfig(storm, kill_roles=("decode",), graceful=())
+
+
+def quick_drain_config(seed: int = 0) -> ChaosConfig:
+    """The bounded CI size of the graceful phases (``--quick-drain``; run it on 2 prefills and
+    2 decodes so that no request may fail): a decode drain, then a rolling restart."""
+    storm = StormConfig(router_url="", seed=seed, request_rate=CHAOS_RATE, **QUICK)
+    return ChaosConfig(storm, kill_roles=(), graceful=GRACEFUL, prefill_faults=None,
+                       decode_faults=None)  # fmt: skip
 
 
 def link_cut_config(storm: StormConfig) -> ChaosConfig:
@@ -304,25 +338,38 @@ def main(argv: list[str] | None = None) -> int:
     add_size_args(p, StormConfig(router_url="", num_rounds=1, request_rate=CHAOS_RATE))
     p.add_argument("--kill", default=",".join(KILL_ROLES), help="roles to kill, in order")
     p.add_argument("--no-faults", action="store_true", help="skip the faults phase")
+    p.add_argument("--graceful", default=",".join(GRACEFUL), help="drain/rolling phases, in order")
+    p.add_argument("--quick-drain", action="store_true", help="only the graceful phases, CI size")
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument(
         "--link-cut", choices=("decode", "prefill"), default=None,
         help="instead: cut a ROLE host's link under load on network namespaces (root; 2+2 workers)",
     )  # fmt: skip
+    p.add_argument("--num-prefill", type=int, default=1)
     args = p.parse_args(argv)
     storm = storm_config_from_args(args, QUICK)
     kill_roles = tuple(r for r in args.kill.split(",") if r)
     if not set(kill_roles) <= set(KILL_ROLES):
         p.error(f"--kill takes roles among {','.join(KILL_ROLES)}")
-    cfg = ChaosConfig(storm, kill_roles=("decode",) if args.quick else kill_roles)
+    graceful = tuple(g for g in args.graceful.split(",") if g)
+    if not set(graceful) <= set(GRACEFUL):
+        p.error(f"--graceful takes phases among {','.join(GRACEFUL)}")
+    cfg = ChaosConfig(storm, kill_roles=("decode",) if args.quick else kill_roles,
+                      graceful=() if args.quick else graceful)  # fmt: skip
     if args.no_faults:
         cfg = replace(cfg, prefill_faults=None, decode_faults=None)
-    spec = replace(cluster_spec_from_args(args), num_decode=args.num_decode)
+    spec = replace(cluster_spec_from_args(args), num_decode=args.num_decode,
+                   num_prefill=args.num_prefill)  # fmt: skip
     if args.link_cut:
         from bench.chaos_link_cut import run_link_cut  # it builds on this module
 
         summary = asyncio.run(run_link_cut(link_cut_config(storm), spec, args.link_cut))
     else:
+        if args.quick_drain:
+            cfg = replace(quick_drain_config(storm.seed), storm=replace(storm, **QUICK))
+            spec = replace(
+                spec, num_decode=max(2, spec.num_decode), num_prefill=max(2, spec.num_prefill)
+            )
         summary = asyncio.run(run_chaos(cfg, spec))
     if args.json:
         print(json.dumps(summary.to_json()))

@@ -6,11 +6,15 @@ import argparse
 import asyncio
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logging
 from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
+
+if TYPE_CHECKING:
+    from pdserve.server import Server
 
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 
@@ -70,6 +74,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--bootstrap-request-timeout", type=float, default=5.0,
         help="one HTTP request to a bootstrap server",
+    )  # fmt: skip
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0,
+        help="SIGTERM or POST /drain: readiness off, new requests get a retryable 503, and "
+        "requests and KV transfers in flight get this many seconds to finish",
     )  # fmt: skip
     p.add_argument("--log-level", default=None, help="default $PDSERVE_LOG_LEVEL, else INFO")
     add_parent_pid_arg(p)
@@ -153,14 +162,29 @@ async def _serve_forever(config: object, parent_pid: int | None = None) -> None:
     server = Server(config)  # type: ignore[arg-type]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    # SIGINT stops at once; SIGTERM (a process manager, `pdserve up`, Kubernetes) drains first,
+    # as POST /drain does. A second SIGTERM while draining stops at once.
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, lambda: _on_sigterm(server, stop))
+    server.drain_gate.on_begin(lambda _reason: _stop_after_drain(server, stop))
     await server.start()
     print(f"pdserve {server.config.role} serving at {server.url}", flush=True)
     try:
         await wait_for_stop(stop, parent_pid)
     finally:
         await server.stop()
+
+
+def _on_sigterm(server: Server, stop: asyncio.Event) -> None:
+    if not server.drain_gate.begin("SIGTERM"):
+        stop.set()
+
+
+def _stop_after_drain(server: Server, stop: asyncio.Event) -> None:
+    # Runs after the server's own listener, which started the drain task: once the drain ends
+    # (idle, or its timeout), the process stops and exits 0.
+    assert server.drained is not None
+    server.drained.add_done_callback(lambda _task: stop.set())
 
 
 def _router(argv: list[str]) -> int:

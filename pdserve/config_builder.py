@@ -110,6 +110,7 @@ def registration_config_from_args(
         interval_s=args.register_interval,
         ttl_s=args.register_ttl,
         api_key=args.router_api_key or api_key,
+        drain_timeout_s=args.drain_timeout,
     )
 
 

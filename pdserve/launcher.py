@@ -44,6 +44,12 @@ class ClusterConfig:
     # The shared secret of the bootstrap port, new for each cluster; the workers get it in
     # their environment (PDSERVE_BOOTSTRAP_TOKEN), not on a command line others can read.
     bootstrap_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    # Stopping (SIGTERM/Ctrl-C) drains every child this long before it is killed (STOP_MARGIN_S
+    # more: a drained child still has to exit).
+    drain_timeout_s: float = 30.0
+
+
+STOP_MARGIN_S = 10.0
 
 
 @dataclass
@@ -83,6 +89,8 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
               *cfg.extra_worker_args]  # fmt: skip
     if cfg.cpu_lease_path:
         common += ["--cpu-lease", cfg.cpu_lease_path]
+    common += ["--drain-timeout", str(cfg.drain_timeout_s)]
+    router_drain = ["--drain-timeout", str(cfg.drain_timeout_s)]
     prefill_url = f"http://{host}:{cfg.prefill_port}"
     decode_url = f"http://{host}:{cfg.decode_port}"
     return [
@@ -92,7 +100,7 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
         ("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common,
                     *cfg.decode_args], decode_url),
         ("router", ["router", "--port", str(cfg.router_port), "--prefill", prefill_url,
-                    "--decode", decode_url], f"http://{host}:{cfg.router_port}"),
+                    "--decode", decode_url, *router_drain], f"http://{host}:{cfg.router_port}"),
     ]  # fmt: skip
 
 
@@ -156,7 +164,9 @@ def supervise(children: list[Child]) -> int:
             child.restart()
 
 
-def stop_cluster(children: list[Child], grace_s: float = 10.0) -> None:
+def stop_cluster(children: list[Child], grace_s: float = 30.0 + STOP_MARGIN_S) -> None:
+    """SIGTERM every child, which drains it (requests in flight finish, new ones are turned
+    away with a retryable error), then wait ``grace_s`` for it to exit before SIGKILL."""
     # A second Ctrl-C or SIGTERM must not interrupt the shutdown and orphan the children.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -179,6 +189,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-port", type=int, default=30002)
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0,
+        help="on SIGTERM/Ctrl-C every child drains this long (requests in flight finish) "
+        "before it is killed",
+    )  # fmt: skip
     add_device_args(p, utilization_default=None)
     p.add_argument("--prefill-device", type=device_arg, default=None, help="default: --device")
     p.add_argument("--decode-device", type=device_arg, default=None, help="default: --device")
@@ -227,6 +242,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         prefill_args=role_device_args(args, prefill_device, decode_device),
         decode_args=role_device_args(args, decode_device, prefill_device),
         cpu_lease_path=default_lease_path(args.router_port) if use_lease else None,
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -295,4 +311,4 @@ def main(argv: list[str]) -> int:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 1
     finally:
-        stop_cluster(children)
+        stop_cluster(children, cfg.drain_timeout_s + STOP_MARGIN_S)

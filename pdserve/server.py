@@ -23,6 +23,7 @@ asyncio.run(main())
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.api.app import build_app, start_http
 from pdserve.api.config import ApiConfig
+from pdserve.api.drain import DrainGate
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.engine import Engine
@@ -67,6 +69,12 @@ class ServerConfig:
     # unless that is a wildcard such as 0.0.0.0 (then this machine's primary address).
     advertise_host: str | None = None
     registration: RegistrationConfig | None = None  # --router: register with these routers
+    # A drain (SIGTERM, POST /drain) waits this long for requests and KV rooms in flight.
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain timeout must be >= 0, got {self.drain_timeout_s}")
 
     @property
     def role(self) -> str:
@@ -87,6 +95,10 @@ class Server:
         self.port: int | None = None
         self.registration: Registration | None = None
         self.advertised_host = advertise_host(config.host, config.advertise_host)
+        self.drain_gate = DrainGate()
+        self.drain_gate.on_begin(self._on_drain_begin)
+        self._drain_task: asyncio.Task[bool] | None = None
+        self._stop_code: str | None = None  # the error code requests still running at stop get
 
     @property
     def url(self) -> str:
@@ -126,7 +138,7 @@ class Server:
         await engine.start()
         if cfg.serve_http:
             api = cfg.api or ApiConfig(served_model_name=cfg.engine.model_name)
-            app = build_app(engine, api, self.registry)
+            app = build_app(engine, api, self.registry, self.drain_gate)
             self._http, self.port = await start_http(app, cfg.host, cfg.port)
             logger.info("%s server ready at %s", cfg.role, self.url)
             if cfg.registration is not None:
@@ -194,13 +206,54 @@ class Server:
         transport = self.sender or self.receiver
         return dict(transport.stats) if transport is not None else {}
 
+    # ---- drain ------------------------------------------------------------------------------
+    @property
+    def drained(self) -> asyncio.Task[bool] | None:
+        """The drain in progress (its result: whether everything finished in time), or None."""
+        return self._drain_task
+
+    async def drain(self, reason: str = "drain requested") -> bool:
+        """Readiness off, new requests turned away (retryable 503), then wait up to
+        ``drain_timeout_s`` for what is in flight. True if the worker got idle in time; the
+        caller then calls :meth:`stop`, which ends whatever is left with ``drain_timeout``."""
+        self.drain_gate.begin(reason)
+        assert self._drain_task is not None
+        return await asyncio.shield(self._drain_task)
+
+    def _on_drain_begin(self, reason: str) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(
+            self._wait_idle(reason), name="pdserve-drain"
+        )
+
+    async def _wait_idle(self, reason: str) -> bool:
+        timeout_s = self.config.drain_timeout_s
+        await self.deregister()  # routers that learnt us by registration stop routing here now
+        try:
+            if self.engine is not None:
+                async with asyncio.timeout(timeout_s):
+                    await self.engine.wait_idle()
+        except TimeoutError:
+            self._stop_code = "drain_timeout"
+            num_left = self.engine.load()["num_requests"] if self.engine is not None else 0
+            logger.warning(
+                "drain: %s not idle after %gs (%d requests left); ending them with %s",
+                self.config.role, timeout_s, num_left, self._stop_code,
+            )  # fmt: skip
+            return False
+        logger.info("drain: %s finished its requests in flight (%s)", self.config.role, reason)
+        return True
+
     async def stop(self) -> None:
         await self.deregister()
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()
+            self._stop_code = "drain_timeout"
+        if self.engine is not None:
+            # Fail what is left first, so open streams end with a clear error, not a cut.
+            await self.engine.stop(code=self._stop_code)
         if self._http is not None:
             await self._http.cleanup()
             self._http = None
-        if self.engine is not None:
-            await self.engine.stop()
         for transport in (self.sender, self.receiver):
             if transport is not None:
                 await transport.stop()

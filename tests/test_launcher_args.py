@@ -1,9 +1,14 @@
-"""`pdserve up` passes every model and engine flag it accepts on to both workers."""
+"""`pdserve up` passes every flag it accepts on to its children, and stops them by drain."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+
 from pdserve.cli import add_serve_args
-from pdserve.launcher import child_specs, cluster_config_from_args, parse_args
+from pdserve.launcher import Child, child_specs, cluster_config_from_args, parse_args, stop_cluster
 
 
 def _serve_parse(argv: list[str]):
@@ -67,3 +72,42 @@ def test_each_cluster_gets_its_own_bootstrap_token_in_the_workers_environment(
     prefill_argv = next(argv for name, argv, _ in child_specs(a) if name == "prefill")
     config = server_config_from_args(_serve_parse(prefill_argv[1:]))
     assert config.transport.bootstrap_token == a.bootstrap_token
+
+
+def test_drain_timeout_reaches_every_child(tmp_path) -> None:
+    cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path), "--drain-timeout", "7"]))
+    specs = {name: argv for name, argv, _ in child_specs(cfg)}
+    assert set(specs) == {"prefill", "decode", "router"}
+    for argv in specs.values():
+        assert argv[argv.index("--drain-timeout") + 1] == "7.0"
+    assert _serve_parse(specs["decode"][1:]).drain_timeout == 7.0
+
+
+def test_stopping_gives_a_draining_child_its_time_before_any_kill(tmp_path) -> None:
+
+    ready = tmp_path / "ready"
+    # A child that, like a draining worker, takes a while after SIGTERM and then exits 0.
+    script = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.0), sys.exit(0)))\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = 30.0
+        started = time.monotonic()
+        while not ready.exists():  # its SIGTERM handler is installed
+            assert time.monotonic() - started < deadline and proc.poll() is None
+            time.sleep(0.01)  # poll with a deadline (a subprocess start)
+        # stop_cluster ignores SIGINT/SIGTERM for good (it is the launcher's last act): restore.
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            stop_cluster([Child("worker", "http://x:1", [], proc)], grace_s=20.0)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+        assert proc.returncode == 0  # drained and exited by itself, not SIGKILLed
+    finally:
+        if proc.poll() is None:
+            proc.kill()

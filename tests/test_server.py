@@ -202,3 +202,32 @@ async def test_a_quantized_checkpoint_fails_the_start_naming_its_method(
     ):
         await Server(config(quantized)).start()
     assert not [t for t in threading.enumerate() if t.name == "pdserve-runner"]  # no leak
+
+
+async def test_a_drain_waits_for_requests_in_flight_and_readiness_stays_off(demo_dir: Path):
+    async with Server(config(demo_dir)) as server:
+        stream = server.generate("Hello", max_tokens=40, ignore_eos=True)
+        outs = [await anext(stream)]  # admitted and generating: the drain must wait for it
+        drained = asyncio.create_task(server.drain("test"))
+        outs += [o async for o in stream]
+        assert await asyncio.wait_for(drained, 60) is True
+        assert outs[-1].finish_reason == "length"
+        assert sum(len(o.token_ids) for o in outs) == 40
+        assert server.drain_gate.is_draining
+        assert server.engine.load()["num_requests"] == 0
+
+
+async def test_a_drain_past_its_timeout_ends_the_rest_with_drain_timeout(demo_dir: Path):
+    from pdserve.engine.protocol import EngineError
+
+    async with Server(config(demo_dir, serve_http=False, drain_timeout_s=0.01)) as server:
+        budget = server.engine.info.max_model_len - 8  # far more than 0.01 s of decoding
+        stream = server.generate("Hello", max_tokens=budget, ignore_eos=True)
+        await anext(stream)
+        assert await asyncio.wait_for(server.drain("test"), 30) is False
+        await server.stop()
+        with pytest.raises(EngineError) as failed:
+            async with asyncio.timeout(30):
+                async for _ in stream:
+                    pass
+        assert failed.value.code == "drain_timeout" and failed.value.status == 503

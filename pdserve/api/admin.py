@@ -34,12 +34,24 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """GET /health/ready: 200 once the engine can serve, else 503."""
-    if api_context(request).engine.is_ready():
+    """GET /health/ready: 200 once the engine can serve; 503 before that and while draining."""
+    ctx = api_context(request)
+    if ctx.drain.is_draining:
+        raise ctx.drain.rejection()
+    if ctx.engine.is_ready():
         return _json({"status": "ready"})
     raise ApiError(
         503, "The engine is not ready.", err_type="service_unavailable", code="not_ready"
     )
+
+
+async def drain(request: web.Request) -> web.Response:
+    """POST /drain: stop taking requests, finish those in flight, then exit (as SIGTERM does).
+
+    Authenticated like the other admin endpoints; idempotent (202 both times)."""
+    gate = api_context(request).drain
+    started = gate.begin("POST /drain")
+    return _json({"draining": True, "started": started}, status=202)
 
 
 def metrics_handler(
@@ -71,6 +83,8 @@ async def server_info(request: web.Request) -> web.Response:
             "dtype": info.dtype,
             "kv_layout": info.kv_layout,
             "extra": info.extra,
+            # What the router's health probe weighs workers by (router/workers.py WorkerLoad).
+            "load": {**ctx.engine.load(), "draining": ctx.drain.is_draining},
         }
     )
 

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.api import admin, openai, tokenize
 from pdserve.api.config import ApiConfig
+from pdserve.api.drain import DrainGate, drain_middleware
 from pdserve.api.grammar_service import GrammarService
 from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
@@ -18,17 +19,23 @@ from pdserve.engine.protocol import EngineClient
 
 
 def build_app(
-    engine: EngineClient, config: ApiConfig, registry: CollectorRegistry
+    engine: EngineClient,
+    config: ApiConfig,
+    registry: CollectorRegistry,
+    drain: DrainGate | None = None,
 ) -> web.Application:
     """OpenAI-compatible API plus health, metrics, server_info, debug and abort endpoints.
 
     Registers the HTTP metrics in ``registry`` (so one registry serves one app) and serves the
-    whole registry at ``/metrics``.
+    whole registry at ``/metrics``. ``drain`` is the gate ``POST /drain`` flips (the server
+    passes its own, which SIGTERM flips too).
     """
+    drain = drain if drain is not None else DrainGate()
     metrics = HttpMetrics.create(registry)
     middlewares = [metrics_middleware(metrics), error_middleware(metrics)]
     if config.api_key is not None:
         middlewares.append(auth_middleware(config.api_key))
+    middlewares.append(drain_middleware(drain))  # inside auth: a drain is no key oracle
     app = web.Application(middlewares=middlewares)
     app[API_CONTEXT] = ApiContext(
         engine=engine,
@@ -37,6 +44,7 @@ def build_app(
         token_texts=TokenTexts(engine.tokenizer),
         created=int(time.time()),
         grammars=GrammarService(engine.tokenizer),
+        drain=drain,
     )
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)
@@ -51,6 +59,7 @@ def build_app(
     app.router.add_get("/debug/requests", admin.debug_requests, allow_head=False)
     app.router.add_get("/debug/rooms", admin.debug_rooms, allow_head=False)
     app.router.add_post("/abort/{request_id}", admin.abort)
+    app.router.add_post("/drain", admin.drain)
     return app
 
 

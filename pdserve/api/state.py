@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from pdserve.api.config import ApiConfig
+from pdserve.api.drain import DrainGate
 from pdserve.api.grammar_service import GrammarService
 from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
@@ -21,6 +22,7 @@ class ApiContext:
     token_texts: TokenTexts
     created: int  # advertised as the model's creation time in /v1/models
     grammars: GrammarService  # structured outputs: compiles constraints per request
+    drain: DrainGate = field(default_factory=DrainGate)  # POST /drain and SIGTERM flip it
 
 
 API_CONTEXT: web.AppKey[ApiContext] = web.AppKey("pdserve_api_context", ApiContext)

@@ -83,6 +83,8 @@ class Engine:
         # Deltas of the last step for requests that go on: emitted while the next step computes.
         self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
         self._ready = False
+        self._idle = asyncio.Event()  # set while no request is admitted (a drain waits on it)
+        self._idle.set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def attach_handoff(self, handoff: Handoff, bootstrap_port: int | None = None) -> None:
@@ -99,10 +101,12 @@ class Engine:
         await self._warmup()
         self._ready = True
 
-    async def stop(self) -> None:
+    async def stop(self, code: str | None = None) -> None:
+        """Fail every request left with a 503 (``code``: e.g. ``drain_timeout``) and stop."""
         self._ready = False
         for req in list(self._requests.values()):
-            self._fail(req, EngineError("server shutting down", 503, "service_unavailable"))
+            msg = "server shutting down" if code is None else f"server shutting down ({code})"
+            self._fail(req, EngineError(msg, 503, "service_unavailable", code))
         tasks = [t for t in (self._loop_task, *self._free_waits) if t is not None]
         for task in tasks:
             task.cancel()
@@ -205,6 +209,7 @@ class Engine:
         req = Request(request.request_id, seq, request.kv_transfer)
         req.out_state = OutputState(req.request_id, seq, self.tokenizer, self.info.max_model_len)
         self._requests[req.request_id] = req
+        self._idle.clear()
         self.observer.on_arrival(req)
         if request.deadline_s is not None or self.config.deadlines.request_s is not None:
             total = request.deadline_s or self.config.deadlines.request_s
@@ -217,7 +222,7 @@ class Engine:
             else:
                 self.enqueue_prefill(req)
         except BaseException:
-            self._requests.pop(req.request_id, None)
+            self._forget(req)
             self._cancel_timers(req)
             raise
         return req
@@ -387,8 +392,17 @@ class Engine:
             # (an abort lands between schedule() and the forward): leave them; the free above
             # is deferred to the step's end and the finished request is never scheduled again.
             req.seq.page_ids = []
-        self._requests.pop(req.request_id, None)
+        self._forget(req)
         self.observer.on_finish(req, status)
+
+    def _forget(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        if not self._requests:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is admitted (any state, a prefill's KV hand-off included)."""
+        await self._idle.wait()
 
     def free_pages(self, pages: list[int]) -> None:
         # While a forward runs, its pages may still be written: defer frees to the step's end.
@@ -460,6 +474,17 @@ class Engine:
         for req in self._requests.values():
             ages[req.state.value] = max(ages[req.state.value], now - req.state_entered)
         return ages
+
+    def load(self) -> dict[str, int]:
+        """What a router weighs this worker by: requests per state and free KV pages."""
+        alloc = self.allocator
+        return {
+            **self.count_by_state(),
+            "num_requests": len(self._requests),
+            "free_pages": alloc.num_free,
+            "total_pages": alloc.num_pages,
+            "page_size": self.runner.kv_config.page_size,
+        }
 
     def debug_requests(self) -> list[dict[str, Any]]:
         now = time.monotonic()

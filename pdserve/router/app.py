@@ -57,6 +57,7 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._port: int | None = None
+        self.is_draining = False
 
     @property
     def port(self) -> int:
@@ -129,6 +130,29 @@ class Router:
             self._session = None
         logger.info("router stopped")
 
+    async def drain(self) -> bool:
+        """Stop taking requests (readiness 503, new ones a retryable 503 with Retry-After) and
+        wait up to ``drain_timeout_s`` for those in flight; True if all ended. Then stop()."""
+        if not self.is_draining:
+            self.is_draining = True
+            logger.info("router: serving -> draining")
+        dispatcher = self._dispatcher
+        if dispatcher is None:
+            return True
+        try:
+            async with asyncio.timeout(self.config.drain_timeout_s):
+                await dispatcher.wait_idle()
+        except TimeoutError:
+            logger.warning("router: drain timed out, %d requests in flight", dispatcher.num_active)
+            return False
+        logger.info("router: drained")
+        return True
+
+    def _draining_response(self) -> web.Response:
+        headers = {"Retry-After": str(self.config.retry_after_s)}
+        message = "router is draining and takes no new requests; retry"
+        return error_response(503, message, err_type="draining", code="draining", headers=headers)
+
     async def __aenter__(self) -> Router:
         await self.start()
         return self
@@ -186,6 +210,8 @@ class Router:
         return await handler(request)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        if self.is_draining:
+            return self._draining_response()
         raw = await request.read()
         try:
             body = orjson.loads(raw)
@@ -244,11 +270,11 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        is_ready = self.workers.has_complete_path()
+        is_ready = self.workers.has_complete_path() and not self.is_draining
         counts = {
             role: len(self.workers.available(role)) for role in ("prefill", "decode", "colocated")
         }
-        body = {"ready": is_ready, "available": counts}
+        body = {"ready": is_ready, "draining": self.is_draining, "available": counts}
         return web.json_response(body, status=200 if is_ready else 503, dumps=_dumps)
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -168,6 +168,11 @@ class Attempt:
         if exc.reply is not None and exc.reply.is_client_error:
             self._verdict(leg, ok=True)  # the worker is fine; the request is not
             raise AttemptFailed(str(exc), status=exc.reply.status, reply=exc.reply, is_final=True)
+        if exc.reply is not None and exc.reply.is_draining:
+            # Before the first byte: retry elsewhere (no breaker failure) and stop routing there.
+            self._verdict(leg, ok=True)
+            leg.worker.mark_draining()
+            raise AttemptFailed(str(exc), status=503, blame=leg.worker, reply=exc.reply)
         if exc.reply is not None and exc.reply.is_peer_failure:
             # It answered; its KV peer failed. Don't trip its breaker, and steer the retry away
             # from the peer: a decode reporting a dead/hung prefill blames that prefill.

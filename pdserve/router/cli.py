@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
     p.add_argument(
+        "--max-worker-queue", type=int, default=d.max_worker_queue,
+        help="a worker reporting this many queued requests takes no more; when no decode (or "
+        "colocated worker) can take a request soon the router answers 429 + Retry-After",
+    )  # fmt: skip
+    p.add_argument(
         "--max-body-kb", type=int, default=d.max_body_bytes >> 10,
         help="larger request bodies get 413 (as on workers)",
     )  # fmt: skip
@@ -57,6 +62,7 @@ def _add_timing_flags(p: argparse.ArgumentParser, d: RouterConfig) -> None:
         ("--first-byte-timeout", None, "retry elsewhere if no first event by then"),
         ("--backoff-base", d.backoff_base_s, "first retry backoff (doubles, with jitter)"),
         ("--breaker-reset", d.breaker_reset_s, "open breaker turns half-open after this"),
+        ("--drain-timeout", d.drain_timeout_s, "SIGTERM: finish requests in flight this long"),
     ]
     for flag, default, help_text in seconds:
         p.add_argument(flag, type=float, default=default, metavar="S", help=help_text)
@@ -81,6 +87,8 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         backoff_base_s=args.backoff_base,
         breaker_failures=args.breaker_failures,
         breaker_reset_s=args.breaker_reset,
+        max_worker_queue=args.max_worker_queue,
+        drain_timeout_s=args.drain_timeout,
         api_key=api_key,
         worker_api_key=args.worker_api_key or api_key,
         max_body_bytes=args.max_body_bytes or args.max_body_kb << 10,
@@ -88,14 +96,24 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
 
 
 async def serve(config: RouterConfig, parent_pid: int | None = None) -> None:
-    """Run a router until SIGINT or SIGTERM (or until ``parent_pid`` is no longer its parent)."""
+    """Run a router until SIGINT, or SIGTERM and a drain (or until ``parent_pid`` is no longer
+    its parent). A second SIGTERM stops at once."""
     stop = asyncio.Event()
+    drain = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, lambda: stop.set() if drain.is_set() else drain.set())
     async with Router(config) as router:
         print(f"pdserve router ready at {router.url}", flush=True)
-        await wait_for_stop(stop, parent_pid)
+        stopping = asyncio.ensure_future(wait_for_stop(stop, parent_pid))
+        draining = asyncio.ensure_future(drain.wait())
+        await asyncio.wait({stopping, draining}, return_when=asyncio.FIRST_COMPLETED)
+        if drain.is_set() and not stop.is_set():
+            drained = asyncio.ensure_future(router.drain())
+            await asyncio.wait({stopping, drained}, return_when=asyncio.FIRST_COMPLETED)
+            drained.cancel()
+        stopping.cancel()
+        draining.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

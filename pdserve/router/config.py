@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-POLICY_NAMES = ("round_robin", "random", "power_of_two")
+POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded")
 WORKER_ROLES = ("prefill", "decode", "colocated")
 
 
@@ -61,6 +61,10 @@ class RouterConfig:
     api_key: str | None = None
     worker_api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    # Admission (router/load.py): a worker with this many requests queued cannot take more soon.
+    max_worker_queue: int = 256
+    retry_after_s: int = 1  # the Retry-After of a 429 (admission check) or 503 (draining)
+    drain_timeout_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls", "worker_urls"):
@@ -75,6 +79,8 @@ class RouterConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_attempts < 1 or self.breaker_failures < 1:
             raise ValueError("max_attempts and breaker_failures must be >= 1")
+        if self.max_worker_queue < 1 or self.retry_after_s < 0:
+            raise ValueError("max_worker_queue must be >= 1 and retry_after_s >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         for name in (
@@ -84,6 +90,7 @@ class RouterConfig:
             "connect_timeout_s",
             "abort_timeout_s",
             "breaker_reset_s",
+            "drain_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")

@@ -53,11 +53,22 @@ class UpstreamReply:
         the worker itself is healthy, so its circuit breaker must not count this."""
         if self.status not in (503, 504):
             return False
-        try:
-            code = orjson.loads(self.body)["error"]["code"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            return False
-        return isinstance(code, str) and code.startswith(PEER_FAILURE_CODES)
+        code = _error_code(self.body)
+        return code is not None and code.startswith(PEER_FAILURE_CODES)
+
+    @property
+    def is_draining(self) -> bool:
+        """The worker turned the request away because it is draining (api/drain.py): retry on
+        another worker; the worker is fine, but take it out of rotation now."""
+        return self.status == 503 and _error_code(self.body) == "draining"
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        code = orjson.loads(body)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 class LegError(Exception):

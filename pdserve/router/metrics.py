@@ -39,6 +39,11 @@ class RouterCollector(Collector):
             "pdserve_router_retries", "Attempts retried on another path", stats.num_retries
         )
         yield _counter(
+            "pdserve_router_requests_shed",
+            "Requests answered 429 at once: no worker could take them soon (router/load.py)",
+            stats.num_shed,
+        )
+        yield _counter(
             "pdserve_router_client_disconnects",
             "Clients that left before their response ended",
             stats.num_client_disconnects,

@@ -49,8 +49,9 @@ class RandomPolicy:
 
 
 class PowerOfTwoPolicy:
-    """Power of two choices: sample two distinct candidates, keep the one with fewer of the
-    router's own in-flight requests (ties go to the first sampled, which is random)."""
+    """Power of two choices: sample two distinct candidates, keep the less loaded one
+    (:meth:`Worker.load_score`: in-flight and reported requests, then free KV pages; ties go
+    to the first sampled, which is random)."""
 
     name = "power_of_two"
 
@@ -61,7 +62,25 @@ class PowerOfTwoPolicy:
         if len(candidates) == 1:
             return candidates[0]
         first, second = self._rng.sample(list(candidates), 2)
-        return second if second.num_in_flight < first.num_in_flight else first
+        return second if second.load_score() < first.load_score() else first
+
+
+class LeastLoadedPolicy:
+    """The least loaded candidate by :meth:`Worker.load_score`; ties go round robin, so equal
+    workers (an idle fleet) still share the traffic."""
+
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Worker]) -> Worker:
+        scores = [w.load_score() for w in candidates]
+        best = min(scores)
+        tied = [w for w, score in zip(candidates, scores, strict=True) if score == best]
+        worker = tied[self._next % len(tied)]
+        self._next += 1
+        return worker
 
 
 def make_policy(name: str, rng: random.Random) -> Policy:
@@ -72,4 +91,6 @@ def make_policy(name: str, rng: random.Random) -> Policy:
         return RandomPolicy(rng)
     if name == "power_of_two":
         return PowerOfTwoPolicy(rng)
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICY_NAMES}")

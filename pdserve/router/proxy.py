@@ -24,6 +24,7 @@ from pdserve.router.attempt_types import (
 from pdserve.router.config import WORKER_ROLES, RouterConfig
 from pdserve.router.errors import error_response
 from pdserve.router.legs import UpstreamClient
+from pdserve.router.load import admission_refusal, tokens_needed
 from pdserve.router.policies import make_policy
 from pdserve.router.stats import RouterStats
 from pdserve.router.workers import Worker, WorkerManager
@@ -64,6 +65,17 @@ class Dispatcher:
         self._env = AttemptEnv(config, upstream, stats, spawn)
         self._policies = {role: make_policy(config.policy, rng) for role in WORKER_ROLES}
         self._active: dict[str, RequestCtx] = {}
+        self._idle = asyncio.Event()  # set while no request is active (a drain waits on it)
+        self._idle.set()
+
+    @property
+    def num_active(self) -> int:
+        """Requests being served now."""
+        return len(self._active)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is being served."""
+        await self._idle.wait()
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._active
@@ -113,6 +125,7 @@ class Dispatcher:
         """Serve one OpenAI request end to end (the caller checked auth and parsed the body)."""
         ctx = RequestCtx(request_id, path, body, raw_body, time.monotonic())
         self._active[request_id] = ctx
+        self._idle.clear()
         try:
             return await self._run(request, ctx)
         except ClientGone as gone:
@@ -128,6 +141,8 @@ class Dispatcher:
             raise
         finally:
             del self._active[request_id]
+            if not self._active:
+                self._idle.set()
             self._stats.requests_by_status[ctx.outcome] += 1
             self._stats.latency.observe(time.monotonic() - ctx.started)
             logger.debug("rid=%s: request ended, outcome=%s", request_id, ctx.outcome)
@@ -138,6 +153,9 @@ class Dispatcher:
         logger.info("rid=%s: client disconnected (%s); legs aborted", ctx.request_id, why)
 
     async def _run(self, request: web.Request, ctx: RequestCtx) -> web.StreamResponse:
+        shed = self._admission(ctx)
+        if shed is not None:
+            return shed
         last: AttemptFailed | None = None
         excluded: set[str] = set()
         for attempt_no in range(self._config.max_attempts):
@@ -176,6 +194,8 @@ class Dispatcher:
             reply = last.reply
             ctx.outcome = str(reply.status)
             headers["Content-Type"] = reply.content_type or "application/json"
+            if reply.is_draining:  # every worker tried is draining: say when to come back
+                headers["Retry-After"] = str(self._config.retry_after_s)
             return web.Response(status=reply.status, body=reply.body, headers=headers)
         if ctx.is_aborted:
             ctx.outcome = "503"
@@ -183,7 +203,32 @@ class Dispatcher:
         status = last.status if last is not None else 503
         reason = last.reason if last is not None else "no attempt made"
         ctx.outcome = str(status)
+        if status == 503:  # no usable path now (down, draining): retryable, say when
+            headers["Retry-After"] = str(self._config.retry_after_s)
         return error_response(status, f"router: {reason}", code="upstream_failed", headers=headers)
+
+    def _admission(self, ctx: RequestCtx) -> web.Response | None:
+        """A 429 now when no worker holding KV for the whole generation (the decodes, or the
+        colocated workers) can take this request soon, by the load they reported: better than
+        a prefill computing KV that no decode can receive before its deadline."""
+        holders = self._workers.available("decode") if self._workers.available("prefill") else []
+        holders = holders or self._workers.available("colocated")
+        cfg = self._config
+        tokens = tokens_needed(ctx.body)
+        max_len = min((w.info.max_model_len for w in holders if w.info is not None), default=None)
+        if max_len is not None and tokens > max_len:
+            return None  # over the context window: the worker's 400 says so, not a 429
+        reason = admission_refusal([w.load for w in holders], tokens, cfg.max_worker_queue)
+        if reason is None:
+            return None
+        self._stats.num_shed += 1
+        ctx.outcome = "429"
+        logger.info(
+            "rid=%s: shed with 429, no worker can take it soon (%s)", ctx.request_id, reason
+        )
+        headers = {"X-Request-Id": ctx.request_id, "Retry-After": str(cfg.retry_after_s)}
+        message = f"router: every worker is at capacity ({reason}); retry later"
+        return error_response(429, message, code="overloaded", headers=headers)
 
     def _backoff_s(self, attempt_no: int) -> float:
         cfg = self._config

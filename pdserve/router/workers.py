@@ -1,7 +1,8 @@
 """The router's view of its workers: a registry (``WorkerManager``) and the health checker.
 
-Health state is written only by the health checker (and by admin add/remove), breaker state only
-by the dispatcher, in-flight counts only by the dispatcher; all on the event loop.
+Health state is written by the health checker (and by admin add/remove), and by the dispatcher
+only to take out at once a worker that answered it is draining; breaker state and in-flight counts
+only by the dispatcher; all on the event loop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import orjson
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.compat import Identity, incompatible
 from pdserve.router.config import WORKER_ROLES, RouterConfig, normalize_worker_url
+from pdserve.router.load import WorkerLoad, load_score
 from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class ServerInfoMsg:
     max_model_len: int
     dtype: str = ""  # KV dtype ("" from a worker that does not publish it)
     kv_layout: str = ""  # transport.layout.layout_fingerprint of its page pool
+    load: WorkerLoad | None = None  # as of this probe; None from a worker that reports none
 
     @classmethod
     def from_json(cls, raw: Any) -> ServerInfoMsg:
@@ -71,6 +74,7 @@ class ServerInfoMsg:
             max_model_len=max_len,
             dtype=str(raw.get("dtype") or ""),
             kv_layout=str(raw.get("kv_layout") or ""),
+            load=WorkerLoad.from_json(raw.get("load")),
         )
 
 
@@ -113,6 +117,23 @@ class Worker:
         """Healthy, pairable with the fleet, and its breaker lets a request through."""
         return self.is_healthy and self.incompatibility is None and self.breaker.can_attempt()
 
+    @property
+    def load(self) -> WorkerLoad | None:
+        """The load it reported at its last probe."""
+        return self.info.load if self.info is not None else None
+
+    def load_score(self) -> tuple[int, int]:
+        """Lower is less loaded (router/load.py)."""
+        return load_score(self.num_in_flight, self.load)
+
+    def mark_draining(self) -> None:
+        """It answered a request with ``draining``: out at once, not at the next probe (which
+        puts it back once it is ready again, e.g. restarted)."""
+        if self.state != UNHEALTHY:
+            logger.info("worker %s: %s -> %s (draining)", self.url, self.state, UNHEALTHY)
+        self.state = UNHEALTHY
+        self.last_error = "draining"
+
     def to_json(self) -> dict[str, Any]:
         """The ``GET /workers`` entry."""
         info = self.info
@@ -134,7 +155,20 @@ class Worker:
             "breaker": self.breaker.state,
             "breaker_failures": self.breaker.num_failures,
             "last_error": self.last_error,
+            "load": _load_json(self.load),
         }
+
+
+def _load_json(load: WorkerLoad | None) -> dict[str, Any] | None:
+    if load is None:
+        return None
+    return {
+        "num_requests": load.num_requests,
+        "queued": load.queued,
+        "running": load.running,
+        "free_pages": load.free_pages,
+        "draining": load.draining,
+    }
 
 
 class WorkerManager:

@@ -93,6 +93,9 @@ class FakeEngine:
     def is_ready(self) -> bool:
         return self.ready
 
+    def load(self) -> dict[str, int]:
+        return {"running": len(self.live), "waiting": 0, "num_requests": len(self.live)}
+
     def debug_requests(self) -> list[dict[str, Any]]:
         return [
             {"request_id": rid, "state": "running", "num_generated": live.num_generated}

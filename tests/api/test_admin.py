@@ -33,6 +33,7 @@ async def test_server_info_describes_the_engine(client: TestClient, engine: Fake
         "dtype": "",  # the fake engine publishes no KV layout (a Server fills both in)
         "kv_layout": "",
         "extra": {},
+        "load": {**engine.load(), "draining": False},
     }
 
 
@@ -99,3 +100,38 @@ async def test_abort_validates_the_id(client: TestClient) -> None:
     assert resp.status == 400
     assert_openai_error(await resp.json(), "request_id")
     assert (await client.get("/abort/some-id")).status == 405
+
+
+async def test_drain_turns_readiness_and_new_requests_away_with_a_retryable_503(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    reply = await client.post("/drain")
+    assert reply.status == 202 and (await reply.json())["started"] is True
+    assert (await (await client.post("/drain")).json())["started"] is False  # idempotent
+    ready = await client.get("/health/ready")
+    assert ready.status == 503
+    assert assert_openai_error(await ready.json())["code"] == "draining"
+    turned_away = await client.post("/v1/completions", json=completion_body("a", max_tokens=1))
+    assert turned_away.status == 503
+    assert turned_away.headers["Retry-After"].isdigit()
+    error = assert_openai_error(await turned_away.json())
+    assert error["type"] == "draining" and error["code"] == "draining"
+    assert engine.requests == []  # the engine never saw it
+    info = await (await client.get("/server_info")).json()
+    assert info["load"]["draining"] is True
+    assert (await client.get("/health")).status == 200  # alive: liveness must not kill it
+
+
+async def test_a_request_in_flight_when_the_drain_begins_finishes(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    engine.hang_after = 1
+    pending = asyncio.ensure_future(
+        client.post("/v1/completions", json=completion_body("abc", max_tokens=3))
+    )
+    await wait_until(lambda: bool(engine.live))
+    assert (await client.post("/drain")).status == 202
+    engine.resume()
+    reply = await pending
+    assert reply.status == 200
+    assert (await reply.json())["choices"][0]["finish_reason"] == "length"

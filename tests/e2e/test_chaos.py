@@ -29,7 +29,7 @@ from bench.abort_storm import (
     run_abort_storm,
     run_round,
 )
-from bench.chaos import format_chaos, run_chaos
+from bench.chaos import format_chaos, quick_drain_config, run_chaos
 from bench.chaos import quick_config as quick_chaos_config
 from bench.cluster import ClusterSpec, Target, check_idle
 
@@ -181,3 +181,23 @@ async def test_chaos_survives_decode_kill_and_transport_faults(
     assert kill.summary.num_completed > 0 and faults.summary.num_completed > 0, report
     assert sum(faults.faults.values()) > 0, report  # --fault-plan reached the transport
     assert any("serves again" in i.name and i.is_ok for i in kill.summary.invariants), report
+
+
+async def test_chaos_drain_and_rolling_restart_lose_no_request(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = quick_drain_config(seed=5)
+    spec = ClusterSpec(
+        model_dir=str(demo_model_dir), log_dir=str(tmp_path / "logs"), num_prefill=2, num_decode=2
+    )
+    summary = await run_chaos(cfg, spec)
+    report = format_chaos(summary)
+    assert summary.is_ok, report
+    assert [p.name for p in summary.phases] == ["drain-0", "rolling-0"], report
+    assert summary.total("num_never_answered") == 0, report
+    assert summary.total("num_errors") == 0 and summary.total("num_truncated") == 0, report
+    drain, rolling = summary.phases
+    exits = [i for i in rolling.summary.invariants if i.name.endswith("drained and exited 0")]
+    assert len(exits) == 4 and all(i.is_ok for i in exits), report  # every worker, in turn
+    assert any(i.name == "rolling-0: failed = 0" and i.is_ok for i in rolling.summary.invariants)
+    assert drain.summary.num_completed > 0 and rolling.summary.num_completed > 0, report

@@ -73,6 +73,7 @@ class FakeWorker:
         self.aborts: list[str] = []
         self.cancelled: list[str] = []  # handlers cancelled: the router went away
         self.num_health_checks = 0
+        self.load: dict[str, Any] | None = None  # reported as server_info.load when set
         self._abort_events: dict[str, asyncio.Event] = {}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -134,6 +135,8 @@ class FakeWorker:
             "dtype": self.dtype,
             "kv_layout": self.kv_layout,
         }
+        if self.load is not None:
+            info["load"] = self.load
         return web.json_response(info)
 
     async def _models(self, request: web.Request) -> web.Response:
