@@ -1,7 +1,10 @@
 """A PD cluster across "hosts" (network namespaces, bench/netns.py): the router on a gateway
 host, every prefill and decode worker on a host of its own, each bound to its host's address on
 the same ports as its peers (as on real machines), KV moved by NIXL over UCX's TCP transport on
-the hosts' links. The bench's own HTTP clients live on the gateway host too.
+the hosts' links. The bench's own HTTP clients live on the gateway host too. Workers find the
+router by themselves (:func:`discovery_args`): the router starts knowing no worker, and the
+cluster counts as started once it lists every worker healthy. All workers share one bootstrap
+token (``$PDSERVE_BOOTSTRAP_TOKEN``, :attr:`HostsCluster.bootstrap_token`).
 
 UCX is held to TCP on ``eth0`` (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=eth0``): namespaces share one
 kernel, so UCX's shared-memory and CMA transports would work across them and hide the network
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,7 @@ import aiohttp
 
 from bench.cluster import PDSERVE, Cluster, ClusterSpec, ManagedProc, scrape
 from bench.netns import Fabric
+from pdserve.envs import BOOTSTRAP_TOKEN_ENV
 
 GATEWAY = "gw"  # the router's host, and where the bench's clients connect from
 PORTS = {"router": 30000, "prefill": 30001, "decode": 30002, "colocated": 30003}
@@ -40,12 +45,11 @@ _UCX_LANE = re.compile(r"\((\w+)/([\w.:-]+)\)")
 
 
 def discovery_args(address: str, router_url: str) -> tuple[str, ...]:
-    """The flags a worker on a host needs to be found. Today: none, the router is given every
-    worker's URL (``--prefill``/``--decode``) and a worker bound to its host's address
-    (``--host``) is reachable there. This is where ``--advertise-host address`` and
-    ``--router router_url`` (self-registration) go once discovery is on main."""
-    del address, router_url
-    return ()
+    """The flags a worker on a host needs to be found: it registers itself with the router at
+    ``router_url`` and renews its lease there, advertising its host's ``address`` (its
+    registration URL, bootstrap address and default engine id). The router is given no
+    worker URL at all."""
+    return ("--advertise-host", address, "--router", router_url)
 
 
 class HostsCluster(Cluster):
@@ -56,6 +60,8 @@ class HostsCluster(Cluster):
 
     def __init__(self, spec: ClusterSpec, fabric: Fabric, with_colocated: bool = False) -> None:
         self.fabric = fabric
+        # One secret for the fleet's bootstrap ports, in the environment (not in argv).
+        self.bootstrap_token = secrets.token_hex(16)
         super().__init__(spec)
         self.colocated = self._colocated() if with_colocated else None
 
@@ -78,7 +84,9 @@ class HostsCluster(Cluster):
 
     def _proc(self, name: str, host: str, role: str, argv: list[str]) -> ManagedProc:
         url = f"http://{self.fabric.address(host)}:{PORTS[role]}"
-        env = {**self._env(), **UCX_ENV} if role != "router" else self._env()
+        env = self._env()
+        if role != "router":
+            env |= {**UCX_ENV, BOOTSTRAP_TOKEN_ENV: self.bootstrap_token}
         command = (*self.fabric.exec_prefix(host), *PDSERVE)
         log = self.log_dir / f"{name}.log"
         return ManagedProc(name, role, argv, url, log, env, command=command)
@@ -89,7 +97,9 @@ class HostsCluster(Cluster):
         # No --engine-id: the default (role-address:port) must be unique across hosts.
         argv = ["serve", "--role", role, "--model", self.spec.model_dir, "--host", address,
                 "--port", str(PORTS[role]), "--served-model-name", self.spec.served_model_name,
-                *self.spec.worker_args, *discovery_args(address, self.router_url)]  # fmt: skip
+                *self.spec.worker_args]  # fmt: skip
+        if role != "colocated":  # the colocated reference stays outside the router
+            argv += discovery_args(address, self.router_url)
         if role == "prefill":
             argv += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
         return self._proc(name, host, role, argv)
@@ -98,13 +108,20 @@ class HostsCluster(Cluster):
         return self._worker("colocated", "colocated", host=GATEWAY)
 
     def _router(self) -> ManagedProc:
+        # No --prefill/--decode: every worker registers itself (discovery_args).
         argv = ["router", "--host", self.fabric.address(GATEWAY), "--port", str(PORTS["router"]),
                 *self.spec.router_args]  # fmt: skip
-        for p in self.prefills:
-            argv += ["--prefill", p.url]
-        for d in self.decodes:
-            argv += ["--decode", d.url]
         return self._proc("router", GATEWAY, "router", argv)
+
+    async def start(self) -> None:
+        """Start every process and wait until each is ready and the router lists every
+        worker healthy (they registered themselves)."""
+        await super().start()
+        try:
+            await self.wait_router_sees_all(self.spec.max_ready_s)
+        except BaseException:
+            await self.stop()
+            raise
 
     def _connector(self) -> aiohttp.TCPConnector:
         factory = self.fabric.socket_factory(GATEWAY)

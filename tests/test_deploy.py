@@ -1,6 +1,8 @@
 """deploy/'s Kubernetes manifests parse, and agree with the CLI: every flag a container passes
 exists in its ``pdserve`` subcommand and parses, container ports are the ports the flags bind,
-probes and Services name those ports, PodDisruptionBudgets and Services select real pods."""
+probes and Services name those ports, PodDisruptionBudgets and Services select real pods,
+workers register with every router replica, and the environment variables they set are the ones
+pdserve/envs.py reads, from Secrets that deploy/templates/ defines."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import pytest
 import torch
 import yaml
 
+import pdserve.envs
 from pdserve.cli import add_serve_args
+from pdserve.config_builder import registration_config_from_args
+from pdserve.envs import BOOTSTRAP_TOKEN_ENV
 from pdserve.router.cli import build_parser as router_parser
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -31,7 +36,7 @@ def as_on_a_gpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def load_all() -> list[dict[str, Any]]:
     docs = []
-    for path in sorted(DEPLOY.glob("*.yaml")):
+    for path in sorted(DEPLOY.rglob("*.yaml")):  # templates/ too
         for doc in yaml.safe_load_all(path.read_text()):
             assert doc and {"apiVersion", "kind", "metadata"} <= doc.keys(), path
             docs.append(doc)
@@ -39,7 +44,10 @@ def load_all() -> list[dict[str, Any]]:
 
 
 def by_kind(kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in load_all() if d["kind"] == kind}
+    return {d["metadata"]["name"]: d for d in load_all() if d["kind"] in kind.split("|")}
+
+
+WORKLOADS = "Deployment|StatefulSet"
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -75,11 +83,28 @@ def ports(c: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in c["ports"]}
 
 
+def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in c["env"]}
+
+
+def router_replica_urls() -> list[str]:
+    """The URL of every router pod, by the StatefulSet's stable pod names."""
+    router = by_kind("StatefulSet")["pdserve-router"]
+    _, args = parsed_args(container(router))
+    spec = router["spec"]
+    return [
+        f"http://pdserve-router-{i}.{spec['serviceName']}:{args.port}"
+        for i in range(spec["replicas"])
+    ]
+
+
 def test_manifests_parse_and_hold_the_whole_fleet() -> None:
     kinds = {(d["kind"], d["metadata"]["name"]) for d in load_all()}
-    for name in ("pdserve-router", "pdserve-prefill", "pdserve-decode"):
+    assert ("StatefulSet", "pdserve-router") in kinds
+    for name in ("pdserve-prefill", "pdserve-decode"):
         assert ("Deployment", name) in kinds
-    assert ("Service", "pdserve-router") in kinds
+    assert ("Service", "pdserve-router") in kinds and ("Service", "pdserve-router-peers") in kinds
+    assert ("Secret", "pdserve-api-key") in kinds and ("Secret", "pdserve-bootstrap-token") in kinds
     assert ("PodDisruptionBudget", "pdserve-prefill") in kinds
     assert ("PodDisruptionBudget", "pdserve-decode") in kinds
     assert ("ConfigMap", "pdserve-hooks") in kinds
@@ -87,7 +112,7 @@ def test_manifests_parse_and_hold_the_whole_fleet() -> None:
 
 @pytest.mark.parametrize("name", ["pdserve-router", "pdserve-prefill", "pdserve-decode"])
 def test_every_flag_exists_and_container_ports_are_the_bound_ports(name: str) -> None:
-    c = container(by_kind("Deployment")[name])
+    c = container(by_kind(WORKLOADS)[name])
     command, args = parsed_args(c)
     exposed = ports(c)
     assert exposed["http"] == args.port
@@ -97,8 +122,7 @@ def test_every_flag_exists_and_container_ports_are_the_bound_ports(name: str) ->
     if command == "serve" and args.role == "prefill":
         assert exposed["bootstrap"] == args.bootstrap_port
     if command == "serve":
-        env = {e["name"]: e.get("value") for e in c["env"]}
-        assert env["WORKER_ROLE"] == args.role and int(env["WORKER_PORT"]) == args.port
+        assert int(env_of(c)["WORKER_PORT"]["value"]) == args.port  # the preStop hook's
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -113,7 +137,7 @@ def test_workers_probe_ready_and_alive_drain_on_stop_and_ask_for_a_gpu(role: str
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["python", "/hooks/drain.py"]
     hooks = by_kind("ConfigMap")["pdserve-hooks"]["data"]
     assert "/drain" in hooks["drain.py"] and '"POST"' in hooks["drain.py"]
-    assert "/workers" in hooks["register.py"]
+    assert "postStart" not in c["lifecycle"] and "register.py" not in hooks  # they register
     drain_s = getattr(args, "drain_timeout", None) or DEFAULT_DRAIN_TIMEOUT_S
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s
     rolling = deployment["spec"]["strategy"]["rollingUpdate"]
@@ -121,7 +145,7 @@ def test_workers_probe_ready_and_alive_drain_on_stop_and_ask_for_a_gpu(role: str
 
 
 def test_services_and_budgets_select_pods_that_exist_on_named_ports() -> None:
-    deployments = by_kind("Deployment")
+    deployments = by_kind(WORKLOADS)
     pods = [
         (d["spec"]["template"]["metadata"]["labels"], container(d)) for d in deployments.values()
     ]
@@ -130,7 +154,7 @@ def test_services_and_budgets_select_pods_that_exist_on_named_ports() -> None:
             selector = obj["spec"]["selector"]
             selector = selector.get("matchLabels", selector)
             matched = [c for labels, c in pods if selector.items() <= labels.items()]
-            assert len(matched) == 1, f"{kind} {name} selects {len(matched)} deployments"
+            assert len(matched) == 1, f"{kind} {name} selects {len(matched)} workloads"
             if kind == "Service":
                 for port in obj["spec"]["ports"]:
                     assert port["targetPort"] in ports(matched[0]), (name, port)
@@ -142,6 +166,43 @@ def test_hooks_reach_the_router_service_port() -> None:
     for role in ("prefill", "decode"):
         env = {
             e["name"]: e.get("value")
-            for e in container(by_kind("Deployment")[f"pdserve-{role}"])["env"]
+            for e in container(by_kind(WORKLOADS)[f"pdserve-{role}"])["env"]
         }
         assert env["ROUTER_URL"] == f"http://pdserve-router:{port['port']}"
+
+
+def test_routers_run_several_replicas_each_with_a_dns_name_before_it_is_ready() -> None:
+    router = by_kind("StatefulSet")["pdserve-router"]
+    assert router["spec"]["replicas"] >= 2  # soft state: every replica learns every worker
+    _, args = parsed_args(container(router))
+    assert not (args.prefill or args.decode or args.worker)  # no static worker list
+    peers = by_kind("Service")[router["spec"]["serviceName"]]["spec"]
+    # Headless, and published unready: a router is ready only once workers registered with it.
+    assert peers["clusterIP"] == "None" and peers["publishNotReadyAddresses"] is True
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_register_with_every_router_replica_at_their_pod_ip(role: str) -> None:
+    c = container(by_kind("Deployment")[f"pdserve-{role}"])
+    _, args = parsed_args(c)
+    assert args.router == router_replica_urls()
+    assert "--advertise-host=$(POD_IP)" in c["args"] and args.host == "0.0.0.0"
+    assert env_of(c)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    registration = registration_config_from_args(args, api_key="key")
+    assert registration is not None and registration.ttl_s > registration.interval_s
+
+
+@pytest.mark.parametrize("name", ["pdserve-router", "pdserve-prefill", "pdserve-decode"])
+def test_environment_names_are_read_by_pdserve_and_secrets_exist(name: str) -> None:
+    c = container(by_kind(WORKLOADS)[name])
+    read = Path(pdserve.envs.__file__).read_text()
+    secrets = by_kind("Secret")
+    for var, entry in env_of(c).items():
+        if var.startswith("PDSERVE_"):
+            assert f'"{var}"' in read, f"pdserve/envs.py reads no {var}"
+        ref = entry.get("valueFrom", {}).get("secretKeyRef")
+        if ref:
+            assert ref["key"] in secrets[ref["name"]]["stringData"], (var, ref)
+    if name != "pdserve-router":  # both roles: prefills check the token, decodes send it
+        ref = env_of(c)[BOOTSTRAP_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "pdserve-bootstrap-token", "key": "token"}

@@ -1,6 +1,7 @@
 """A PD fleet on five "hosts" (network namespaces made by the test, bench/netns.py): the router
 on a gateway host, 2 prefills and 2 decodes on four hosts of their own, KV over UCX's TCP
-transport on the hosts' links. Greedy output equals a colocated worker's; a decode host cut
+transport on the hosts' links; the workers register themselves with a router given none, and
+share one bootstrap token. Greedy output equals a colocated worker's; a decode host cut
 off the network and plugged back in fails its rooms ``peer_lost``, ends its requests, and
 serves again with nothing restarted. Skipped where the machine cannot make namespaces."""
 
@@ -26,6 +27,7 @@ from bench.hosts import (
     ucx_transports,
 )
 from bench.netns import unavailable_reason
+from pdserve.transport.bootstrap import TOKEN_HEADER
 from tests.e2e.conftest import fetch, wait_for
 from tests.e2e.conftest import scrape as scrape_labelled
 
@@ -114,6 +116,23 @@ async def worker_states(fleet: HostsCluster) -> dict[str, str]:
     return {w["url"]: w["state"] for w in listed}
 
 
+async def test_workers_found_the_router_themselves_and_guard_bootstrap_with_one_token(
+    fleet: HostsCluster,
+) -> None:
+    assert not {"--prefill", "--decode", "--worker"} & set(fleet.router.argv)
+    listed = (await get_json(fleet.session, f"{fleet.router.url}/workers"))["data"]
+    roles = {w["url"]: w["role"] for w in listed}
+    assert roles == {p.url: p.role for p in fleet.workers}, roles  # not the colocated one
+    for p in fleet.prefills:
+        peers = f"http://{fleet.fabric.address(p.name)}:{BOOTSTRAP_PORT}/peers"
+        status, raw = await fetch(fleet.session, "GET", peers)
+        assert status == 401 and b"bootstrap token" in raw, (status, raw[:300])
+        wrong = {TOKEN_HEADER: "not-" + fleet.bootstrap_token}
+        assert (await fetch(fleet.session, "GET", peers, headers=wrong))[0] == 401
+        right = {TOKEN_HEADER: fleet.bootstrap_token}
+        assert (await fetch(fleet.session, "GET", peers, headers=right))[0] == 200
+
+
 async def test_a_cut_host_fails_its_rooms_and_rejoins_with_no_restart(fleet: HostsCluster) -> None:
     victim, prefill = fleet.decodes[1], fleet.prefills[0]
     info = {p.name: await get_json(fleet.session, f"{p.url}/server_info") for p in fleet.workers}
@@ -128,7 +147,8 @@ async def test_a_cut_host_fails_its_rooms_and_rejoins_with_no_restart(fleet: Hos
             m = await scrape(fleet.session, prefill.url)
             gone = room_id not in await room_ids(fleet, 0)
             lost = m["pdserve_transport_peers_lost_total"] > lost_before
-            return gone and lost and (await worker_states(fleet))[victim.url] != "healthy"
+            # Unhealthy, or already forgotten (its lease lapsed while it was away).
+            return gone and lost and (await worker_states(fleet)).get(victim.url) != "healthy"
 
         await wait_for(detected, DETECT_S, "prefill-0 and the router to see decode-1 gone")
         assert await peer_lost_rooms(fleet, 0) >= 1
