@@ -72,20 +72,6 @@ async def test_migration_stops_at_its_limit_and_ends_the_stream_with_an_error(
     assert router.stats.requests_by_status["stream_error"] == 1
 
 
-async def test_migration_off_ends_a_broken_stream_with_an_error(make_worker, make_router):
-    prefill = await make_worker("prefill")
-    d1, d2 = await make_worker("decode"), await make_worker("decode")
-    d1.die_after_chunks = d2.die_after_chunks = 2
-    router = await make_router(
-        prefill_urls=(prefill.url,), decode_urls=(d1.url, d2.url), migration_limit=0
-    )
-    status, raw = await post(router, {**CHAT, "stream": True}, rid="mig-3")
-    assert status == 200 and b"stream_broken" in sse_events(raw)[-2]
-    assert len(d1.requests) + len(d2.requests) == 1
-    assert "return_token_ids" not in (d1.requests + d2.requests)[0].body
-    assert router.stats.num_migrations == 0
-
-
 def test_tracker_takes_token_ids_out_and_keeps_the_first_stream_id():
     tracker = StreamTracker(is_chat=True)
     first = {"id": "a", "created": 1, "choices": [{"delta": {"role": "assistant", "content": ""}}]}
