@@ -1,12 +1,14 @@
 """Chaos: the abort storm while peers die. Each *kill phase* runs one storm round and, once
 enough of its requests are streaming, SIGKILLs one process (decode, then prefill, then router),
-restarts it on the same ports and lets the round finish; the *faults phase* restarts the workers
-with the transport's fault injection (delayed writes, failed transfers, dropped notifications)
-and runs a round on them. The *graceful phases* (bench/chaos_drain.py) SIGTERM instead: ``drain``
-drains one decode under a storm round, ``rolling`` drains and restarts every worker in turn;
-with two workers of each role no request may fail there. ``--link-cut ROLE`` instead cuts a
-worker host's network link under load, on network namespaces (bench/chaos_link_cut.py). After
-every phase:
+restarts it on the same ports and lets the round finish; the *migrate* phase does the same to a
+decode while another decode is healthy, and with the router's request migration on no request
+may fail (streams cut mid-answer continue on the spare decode); the *faults phase* restarts the
+workers with the transport's fault injection (delayed writes, failed transfers, dropped
+notifications) and runs a round on them. The *graceful phases* (bench/chaos_drain.py) SIGTERM
+instead: ``drain`` drains one decode under a storm round, ``rolling`` drains and restarts every
+worker in turn; with two workers of each role no request may fail there. ``--link-cut ROLE``
+instead cuts a worker host's network link under load, on network namespaces
+(bench/chaos_link_cut.py). After every phase:
 
 - the abort storm's request invariants (never answered = 0, no malformed answer, completed
   requests have all their tokens; streams cut without ``[DONE]`` only when the router died);
@@ -51,7 +53,9 @@ from bench.chaos_drain import graceful_phase  # noqa: E402
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, check_idle, scrape  # noqa: E402
 
 QUICK = {"num_requests": 100, "concurrency": 12, "num_rounds": 1}
-KILL_ROLES = ("decode", "prefill", "router")
+KILL_ROLES = ("migrate", "decode", "prefill", "router")  # migrate: a decode, with a spare
+MIGRATIONS = "pdserve_router_migrations_total"
+MIGRATE_MAX_TOKENS = 96
 GRACEFUL = ("drain", "rolling")  # bench/chaos_drain.py: SIGTERM one decode; every worker in turn
 CHAOS_RATE = 8.0  # requests/s: a round spans the kill, the downtime and the restart
 
@@ -84,6 +88,7 @@ class PhaseReport:
     faults: dict[str, float] = field(default_factory=dict)
     cut: str | None = None  # the host whose link was cut (bench/chaos_link_cut.py)
     measured: dict[str, float | str] = field(default_factory=dict)  # a phase's own figures
+    migrations: int | None = None  # streams the router resumed elsewhere (migrate phase)
 
 
 @dataclass
@@ -114,7 +119,8 @@ class ChaosSummary:
 
 def _victim(cluster: Cluster, role: str, cycle: int) -> ManagedProc:
     """The process of ``role`` to kill in this cycle (rotating when there are several)."""
-    procs = {"decode": cluster.decodes, "prefill": cluster.prefills, "router": [cluster.router]}
+    procs = {"decode": cluster.decodes, "migrate": cluster.decodes, "prefill": cluster.prefills,
+             "router": [cluster.router]}  # fmt: skip
     candidates = procs[role]
     return candidates[cycle % len(candidates)]
 
@@ -125,7 +131,11 @@ async def kill_phase(cluster: Cluster, cfg: ChaosConfig, role: str, cycle: int) 
     victim = _victim(cluster, role, cycle)
     report = PhaseReport(label, StormSummary(), killed=victim.name)
     progress = StormProgress()
-    storm = asyncio.create_task(run_round(cluster.session, cfg.storm, label, progress))
+    migrations_before = (await scrape(cluster.session, cluster.router.url)).get(MIGRATIONS, 0)
+    storm_cfg = cfg.storm
+    if role == "migrate":  # longer streams: many are mid-answer on the victim when it dies
+        storm_cfg = replace(storm_cfg, max_tokens=max(storm_cfg.max_tokens, MIGRATE_MAX_TOKENS))
+    storm = asyncio.create_task(run_round(cluster.session, storm_cfg, label, progress))
     # Kill under load: once a good part of the round is in flight (or it is over anyway).
     num_in_flight = min(cfg.storm.concurrency, max(1, cfg.storm.num_requests // 4))
     await progress.wait_for(lambda p: p.num_streaming >= num_in_flight, cfg.storm.deadline_s)
@@ -138,6 +148,10 @@ async def kill_phase(cluster: Cluster, cfg: ChaosConfig, role: str, cycle: int) 
     report.summary.add(await storm)
     report.summary.invariants.append(await rejoin)
     await _after_restart(cluster, cfg, report, label)
+    if role == "migrate":
+        migrations = (await scrape(cluster.session, cluster.router.url)).get(MIGRATIONS, 0)
+        report.migrations = int(migrations - migrations_before)
+        report.summary.invariants += migrate_invariants(cluster, report)
     return report
 
 
@@ -156,6 +170,17 @@ async def drain_phase(cluster: Cluster, cfg: ChaosConfig, kind: str, cycle: int)
     summary.invariants += checks
     await _after_restart(cluster, cfg, report, label)
     return report
+
+
+def migrate_invariants(cluster: Cluster, report: PhaseReport) -> list[Invariant]:
+    """With migration on and a healthy spare decode, a decode's death fails no request."""
+    q, label = report.summary, report.name
+    num_failed = q.num_errors + q.num_truncated
+    detail = f"{num_failed} ({dict(q.errors_by_kind)})"
+    return [
+        Invariant(f"{label}: a spare decode", len(cluster.decodes) >= 2, f"{len(cluster.decodes)}"),
+        Invariant(f"{label}: requests failed = 0", num_failed == 0, detail),
+    ]  # how many streams were mid-answer on the victim is luck: reported, not required
 
 
 async def _rejoin(cluster: Cluster, cfg: ChaosConfig, report: PhaseReport, label: str) -> Invariant:
@@ -299,6 +324,8 @@ def _format_phase(p: PhaseReport) -> list[str]:
     )
     if p.killed:
         line += f"; killed {p.killed}, back in {p.restart_s}s, rejoined +{p.rejoin_s}s"
+    if p.migrations is not None:
+        line += f", migrated {p.migrations}"
     if p.faults:
         line += f"; faults {p.faults}"
     if p.cut:
@@ -315,9 +342,10 @@ def _format_phase(p: PhaseReport) -> list[str]:
 
 
 def quick_config(seed: int = 0) -> ChaosConfig:
-    """The bounded CI size (``--quick``): one decode kill/restart, then the faults phase."""
+    """The bounded CI size (``--quick``, 2 decodes): one decode SIGKILLed mid-stream with a
+    spare decode and migration on (then restarted), then the faults phase."""
     storm = StormConfig(router_url="", seed=seed, request_rate=CHAOS_RATE, **QUICK)
-    return ChaosConfig(storm, kill_roles=("decode",), graceful=())
+    return ChaosConfig(storm, kill_roles=("migrate",), graceful=())
 
 
 def quick_drain_config(seed: int = 0) -> ChaosConfig:
@@ -354,11 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     graceful = tuple(g for g in args.graceful.split(",") if g)
     if not set(graceful) <= set(GRACEFUL):
         p.error(f"--graceful takes phases among {','.join(GRACEFUL)}")
-    cfg = ChaosConfig(storm, kill_roles=("decode",) if args.quick else kill_roles,
+    cfg = ChaosConfig(storm, kill_roles=("migrate",) if args.quick else kill_roles,
                       graceful=() if args.quick else graceful)  # fmt: skip
     if args.no_faults:
         cfg = replace(cfg, prefill_faults=None, decode_faults=None)
-    spec = replace(cluster_spec_from_args(args), num_decode=args.num_decode,
+    # The migrate phase needs a spare decode to resume on.
+    num_decode = max(args.num_decode, 2) if "migrate" in cfg.kill_roles else args.num_decode
+    spec = replace(cluster_spec_from_args(args), num_decode=num_decode,
                    num_prefill=args.num_prefill)  # fmt: skip
     if args.link_cut:
         from bench.chaos_link_cut import run_link_cut  # it builds on this module

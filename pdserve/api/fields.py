@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.api.errors import unrecognized_argument, unsupported
+from pdserve.api.resume import RESUME_FIELDS
 from pdserve.api.structured import GUIDED_FIELDS, GUIDED_IGNORED
 
 # Extensions beyond OpenAI that vLLM-style clients and the router send.
@@ -27,6 +28,7 @@ _EXTENSIONS = frozenset(
         "kv_transfer_params",
         "structured_outputs",
         *GUIDED_FIELDS,
+        *RESUME_FIELDS,
     }
 )
 _COMMON = frozenset(

@@ -8,6 +8,7 @@ from typing import Any
 
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import bad_request, unrecognized_argument
+from pdserve.api.resume import parse_resume
 from pdserve.api.structured import Constraint, parse_constraint
 from pdserve.api.validation import (
     as_bool,
@@ -19,7 +20,7 @@ from pdserve.api.validation import (
     optional,
     require,
 )
-from pdserve.engine.protocol import KVTransferParams
+from pdserve.engine.protocol import KVTransferParams, ResumeState
 from pdserve.sampling_params import SamplingParams
 
 MAX_ID_LEN = 128
@@ -53,6 +54,8 @@ class RequestOptions:
     stream: bool = False
     include_usage: bool = False
     kv_transfer: KVTransferParams | None = None
+    return_token_ids: bool = False  # router: chunks name their token ids
+    resume: ResumeState | None = None  # router: a migrated request's generated tokens
 
     def sampling_params(self, max_tokens: int, choice_index: int) -> SamplingParams:
         """Engine parameters for choice ``choice_index``: each choice gets its own seed."""
@@ -106,6 +109,8 @@ def parse_options(
         constraint=parse_constraint(body, config.max_grammar_chars),
         n=as_int(optional(body, "n", 1), "n", 1, config.max_n),
         kv_transfer=parse_kv_transfer(body.get("kv_transfer_params")),
+        return_token_ids=as_bool(optional(body, "return_token_ids", False), "return_token_ids"),
+        resume=parse_resume(body.get("resume_params"), vocab_size),
     )
     if opts.max_tokens is not None and opts.min_tokens > opts.max_tokens:
         raise bad_request(

@@ -18,6 +18,7 @@ from pdserve.api.config import ApiConfig
 from pdserve.api.errors import bad_request
 from pdserve.api.options import RequestOptions
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.resume import check_resume_budget
 from pdserve.engine.protocol import GenerateRequest, KVTransferParams, TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,7 @@ def _build(
             param="min_tokens",
         )
     num_choices = len(prompts) * options.n
+    check_resume_budget(options.resume, min(budgets), num_choices)
     engine_requests = []
     for i in range(num_choices):
         prompt_index = i // options.n  # OpenAI orders choices prompt-major
@@ -196,6 +198,7 @@ def _build(
                 sampling=options.sampling_params(budgets[prompt_index], i),
                 kv_transfer=_choice_kv(options.kv_transfer, i, num_choices),
                 deadline_s=config.request_deadline_s,
+                resume=options.resume,
             )
         )
     return PreparedRequest(

@@ -66,6 +66,18 @@ class ResponseBuilder(ABC):
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
 
+    def _is_empty(self, out: GenerateOutput, text: str, logprobs: dict[str, Any] | None) -> bool:
+        # With return_token_ids a delta whose text is held back still names its tokens.
+        if self.prepared.options.return_token_ids and out.token_ids:
+            return False
+        return not text and out.finish_reason is None and logprobs is None
+
+    def _tagged(self, chunk: dict[str, Any], out: GenerateOutput) -> dict[str, Any]:
+        """The chunk, plus its token ids when the router asked (``return_token_ids``)."""
+        if self.prepared.options.return_token_ids:
+            chunk["choices"][0]["token_ids"] = list(out.token_ids)
+        return chunk
+
     def add(self, index: int, out: GenerateOutput) -> None:
         """Accumulate a delta for the non-streaming response."""
         self._record(index, out)
@@ -119,10 +131,12 @@ class ChatResponseBuilder(ResponseBuilder):
         logprobs = self._logprob_block(out)
         if self._tools is not None:
             return self._tool_chunk(index, out, logprobs)
-        if not out.text and out.finish_reason is None and logprobs is None:
+        if self._is_empty(out, out.text, logprobs):
             return None
         delta = {"content": out.text} if out.text else {}
-        return self._chunk(_chat_choice(index, delta, logprobs, out.finish_reason))
+        return self._tagged(
+            self._chunk(_chat_choice(index, delta, logprobs, out.finish_reason)), out
+        )
 
     def _tool_chunk(
         self, index: int, out: GenerateOutput, logprobs: dict[str, Any] | None
@@ -219,16 +233,15 @@ class CompletionResponseBuilder(ResponseBuilder):
         self._record(index, out)
         logprobs = self._logprob_block(index, out)
         text = self._echo_once(index) + out.text
-        if not text and out.finish_reason is None and logprobs is None:
+        if self._is_empty(out, text, logprobs):
             return None
-        return self._chunk(
-            {
-                "index": index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": out.finish_reason,
-            }
-        )
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason,
+        }
+        return self._tagged(self._chunk(choice), out)
 
     def _echo_once(self, index: int) -> str:
         # The prompt text goes before the choice's first delta, once.

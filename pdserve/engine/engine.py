@@ -206,7 +206,7 @@ class Engine:
             )  # fmt: skip
         seq = Sequence(request.request_id, list(request.prompt_token_ids), num_prompt, sp)
         seq.grammar = request.grammar
-        req = Request(request.request_id, seq, request.kv_transfer)
+        req = Request(request.request_id, seq, request.kv_transfer, resume=request.resume)
         req.out_state = OutputState(req.request_id, seq, self.tokenizer, self.info.max_model_len)
         self._requests[req.request_id] = req
         self._idle.clear()
@@ -282,6 +282,8 @@ class Engine:
                 req.prompt_logprobs = plp  # goes out with the first delta
             seq = req.seq
             seq.num_cached_tokens = seq.num_tokens
+            is_replayed = bool(req.replay)
+            tok = req.replay.popleft() if is_replayed else tok
             seq.token_ids.append(tok)
             if seq.grammar is not None and not self._advance_grammar(req, tok):
                 continue
@@ -295,7 +297,9 @@ class Engine:
                     self.disarm(req)
                     self.scheduler.add_running(req)
             lps = [lp] if lp is not None else None
-            if req.out_state.is_final(tok):
+            if is_replayed:
+                req.out_state.replay(tok, req.resume)
+            elif req.out_state.is_final(tok):
                 self.emit(req, [tok], lps)
             else:
                 deferred.append((req, tok, lps))
@@ -336,13 +340,18 @@ class Engine:
         """Decode role: the KV of the prompt arrived; the first token came with it."""
         seq = req.seq
         seq.num_cached_tokens = seq.num_tokens
+        is_replayed = bool(req.replay)
+        first_token = req.replay.popleft() if is_replayed else first_token  # the same one
         seq.token_ids.append(first_token)
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
         # The prefill sampled it under the same grammar: this matcher continues from there.
         if seq.grammar is not None and not self._advance_grammar(req, first_token):
             return
-        self.emit(req, [first_token], [logprob] if logprob is not None else None)
+        if is_replayed:
+            req.out_state.replay(first_token, req.resume)
+        else:
+            self.emit(req, [first_token], [logprob] if logprob is not None else None)
         if not req.is_finished:
             self.scheduler.add_running(req)
             self._wake.set()

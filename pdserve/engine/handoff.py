@@ -142,7 +142,11 @@ class DecodeHandoff(Handoff):
         self._tasks: set[asyncio.Task[None]] = set()
 
     def admit(self, req: Request) -> None:
-        _require_room(req)
+        if req.kv_transfer is None:
+            # The router's fallback when no prefill worker is healthy: prefill it here.
+            logger.info("req=%s: no kv_transfer_params, prefilling locally", req.request_id)
+            self.engine.enqueue_prefill(req)
+            return
         if self.receiver.table.get(req.room_id) is not None:
             raise _duplicate(req.room_id)
         req.move(RequestState.WAITING_FOR_KV, "admitted")

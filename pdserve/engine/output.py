@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.protocol import GenerateOutput, TokenLogprob
+from pdserve.engine.protocol import GenerateOutput, ResumeState, TokenLogprob
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.sequence import Sequence
 
@@ -27,6 +27,17 @@ class OutputState:
         self._text = ""  # all generated text so far (untrimmed)
         self._num_sent_chars = 0
         self._num_sent_tokens = 0
+
+    def replay(self, token: int, resume: ResumeState | None) -> None:
+        """A migrated request's replayed token (already appended): another worker streamed
+        it, so it is only accounted for. Of the text so far, the client has the first
+        ``resume.num_text_chars`` characters: text that worker still held back (a possible
+        stop string, half a character) goes out with the next delta, nothing twice."""
+        if token not in self._stop_ids:
+            self._text += self._detok.step([token])
+        self._num_sent_tokens += 1
+        num_chars = resume.num_text_chars if resume is not None else len(self._text)
+        self._num_sent_chars = min(num_chars, len(self._text))
 
     def is_final(self, last_token: int) -> bool:
         """Does the sequence end with ``last_token`` (already appended) by a token-level rule?

@@ -26,6 +26,19 @@ class KVTransferParams:
     bootstrap_port: int
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeState:
+    """A request migrated mid-stream (the router's ``resume_params``): the tokens another
+    worker already generated and streamed, and how many characters of text the client got.
+
+    The tokens go after the prompt as *generated* tokens (penalties, ``min_tokens``, the
+    seeded-noise position and ``max_tokens`` all count them), and their text is not sent again.
+    """
+
+    token_ids: tuple[int, ...]
+    num_text_chars: int
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     request_id: str
@@ -34,6 +47,7 @@ class GenerateRequest:
     kv_transfer: KVTransferParams | None = None
     deadline_s: float | None = None  # overall request deadline, relative to admission
     grammar: GrammarMatcher | None = None  # structured output: this stream's own matcher
+    resume: ResumeState | None = None  # migrated: continue after these generated tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,12 @@ import asyncio
 import enum
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.mailbox import OutputMailbox
-from pdserve.engine.protocol import EngineError, KVTransferParams, TokenLogprob
+from pdserve.engine.protocol import EngineError, KVTransferParams, ResumeState, TokenLogprob
 from pdserve.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -66,6 +67,14 @@ class Request:
     out_state: OutputState | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # until the first delta takes them
     outputs: OutputMailbox = field(default_factory=OutputMailbox)
+    # A migrated request replays the tokens another worker streamed, one step each, in place
+    # of what it samples: the K/V and the sampler state then match that worker's exactly.
+    resume: ResumeState | None = None
+    replay: deque[int] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.resume is not None:
+            self.replay.extend(self.resume.token_ids)
 
     @property
     def room_id(self) -> str | None:

@@ -33,10 +33,12 @@ from pdserve.router.attempt_types import (
     Committed,
     Leg,
     Plan,
+    StreamBroken,
     build_leg_bodies,
 )
 from pdserve.router.errors import sse_error_event
 from pdserve.router.legs import LegError, PrimaryStart, WriteFn, pump_events
+from pdserve.router.migration import StreamTracker
 from pdserve.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -44,12 +46,21 @@ logger = logging.getLogger(__name__)
 
 class Attempt:
     """Runs one try of one request over one path; :meth:`run` either returns the committed
-    response or raises :class:`AttemptFailed` (nothing reached the client) / ``ClientGone``."""
+    response or raises :class:`AttemptFailed` (nothing reached the client), ``ClientGone``,
+    or :class:`StreamBroken` (a stream with a ``tracker`` broke and may be resumed; a
+    tracker whose response is already prepared is such a resumption: its stream continues)."""
 
     def __init__(
-        self, env: AttemptEnv, plan: Plan, request_id: str, client_request_id: str, path: str
+        self,
+        env: AttemptEnv,
+        plan: Plan,
+        request_id: str,
+        client_request_id: str,
+        path: str,
+        tracker: StreamTracker | None = None,
     ) -> None:
         self._env = env
+        self.tracker = tracker
         self.plan = plan
         self.request_id = request_id  # sent to the workers; differs from the client's on retries
         self.client_request_id = client_request_id
@@ -76,7 +87,8 @@ class Attempt:
         is_clean = False
         try:
             start = await self._await_first_byte()
-            self._env.stats.first_byte_latency.observe(time.monotonic() - started)
+            if self.tracker is None or self.tracker.out is None:  # not a resumption
+                self._env.stats.first_byte_latency.observe(time.monotonic() - started)
             committed, is_clean = await self._commit(request, start)
             return committed
         finally:
@@ -215,50 +227,62 @@ class Attempt:
             }
             response = web.Response(status=status, body=start.first, headers=headers)
             return Committed(response, str(status)), True
-        out = web.StreamResponse(
-            status=status,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": self.client_request_id,
-            },
-        )
+        tracker = self.tracker
+        out = tracker.out if tracker is not None else None
+        if out is None:
+            out = web.StreamResponse(
+                status=status,
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": self.client_request_id,
+                },
+            )
         timeout_s = self._env.config.request_timeout_s
         try:
             # Bounds a client that stops reading as well as a worker that stops writing.
             async with asyncio.timeout(timeout_s):
-                await out.prepare(request)
-                write = self._writer(out, status)
+                if not out.prepared:
+                    await out.prepare(request)
+                if tracker is not None and tracker.out is None:
+                    tracker.out, tracker.status = out, status
+                write = self._writer(out, tracker.status if tracker else status)
                 await write(start.first)
                 await pump_events(self._primary.worker, start, write)
+                if tracker is not None and not tracker.saw_done:
+                    raise LegError(self._primary.worker, "stream ended before [DONE]", kind="eof")
         except ConnectionResetError as exc:
             raise ClientGone(out, str(exc)) from exc
         except (LegError, TimeoutError) as exc:
             reason = exc.reason if isinstance(exc, LegError) else f"over {timeout_s:g}s"
-            await self._end_broken_stream(out, reason)
+            self._blame_broken_stream(reason)
+            if isinstance(exc, LegError) and tracker is not None and tracker.can_resume:
+                raise StreamBroken(reason, self._primary.worker) from exc
+            await end_broken_stream(out, reason, self._env.config.abort_timeout_s)
             return Committed(out, "stream_error"), False
         await self._settle_late_prefill()
-        return Committed(out, str(status)), True
+        return Committed(out, str(tracker.status if tracker else status)), True
 
     def _writer(self, out: web.StreamResponse, status: int) -> WriteFn:
+        tracker = self.tracker
+
         async def write(data: bytes) -> None:
+            if tracker is not None:
+                data = tracker.filter(data)
+                if not data:
+                    return
             await out.write(data)
             if data.endswith(DONE_EVENT):
                 self.delivered_status = status
 
         return write
 
-    async def _end_broken_stream(self, out: web.StreamResponse, reason: str) -> None:
-        # Bytes already reached the client: no retry; end the stream with an error + [DONE].
+    def _blame_broken_stream(self, reason: str) -> None:
         primary = self._primary
         self._set_outcome(primary, TRANSPORT_ERROR, reason)
         primary.has_verdict = False  # its first byte counted as a success; this is a failure
         self._verdict(primary, ok=False, reason=reason)
         logger.warning("rid=%s: stream broke after first byte: %s", self.request_id, reason)
-        event = sse_error_event(f"upstream stream broke: {reason}", code="stream_broken")
-        with contextlib.suppress(ConnectionResetError, TimeoutError):
-            async with asyncio.timeout(self._env.config.abort_timeout_s):
-                await out.write(event)
 
     async def _settle_late_prefill(self) -> None:
         """After the primary ended fine, give a still-running prefill leg a short grace to
@@ -298,6 +322,15 @@ class Attempt:
     async def _abort_leg(self, leg: Leg) -> None:
         self._env.stats.num_aborts_sent += 1
         await self._env.upstream.post_abort(leg.worker, self.request_id)
+
+
+async def end_broken_stream(out: web.StreamResponse, reason: str, timeout_s: float) -> None:
+    """Bytes already reached the client and no retry is possible: end the stream with an
+    error event and ``[DONE]``."""
+    event = sse_error_event(f"upstream stream broke: {reason}", code="stream_broken")
+    with contextlib.suppress(ConnectionResetError, TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await out.write(event)
 
 
 def _close_response(leg: Leg, is_clean: bool) -> None:

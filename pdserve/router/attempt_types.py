@@ -84,6 +84,16 @@ class AttemptFailed(Exception):
         self.is_final = is_final  # a client error: do not retry
 
 
+class StreamBroken(Exception):
+    """The primary's stream broke after bytes reached the client, and the request can be
+    resumed elsewhere (its :class:`~pdserve.router.migration.StreamTracker` says where)."""
+
+    def __init__(self, reason: str, blame: Worker) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.blame = blame
+
+
 class ClientGone(Exception):
     """Writing to the client failed: it disconnected mid-stream."""
 

@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
         "colocated worker) can take a request soon the router answers 429 + Retry-After",
     )  # fmt: skip
     p.add_argument(
+        "--migration-limit", type=int, default=d.migration_limit, metavar="N",
+        help="resume a stream broken mid-answer on another path up to N times (0: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--enforce-disagg", action="store_true",
+        help="never let a decode worker prefill itself when no prefill worker is healthy",
+    )  # fmt: skip
+    p.add_argument(
         "--max-body-kb", type=int, default=d.max_body_bytes >> 10,
         help="larger request bodies get 413 (as on workers)",
     )  # fmt: skip
@@ -84,6 +92,8 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         connect_timeout_s=args.connect_timeout,
         first_byte_timeout_s=args.first_byte_timeout,
         max_attempts=args.max_attempts,
+        migration_limit=args.migration_limit,
+        enforce_disagg=args.enforce_disagg,
         backoff_base_s=args.backoff_base,
         breaker_failures=args.breaker_failures,
         breaker_reset_s=args.breaker_reset,

@@ -54,6 +54,8 @@ class RouterConfig:
     first_byte_timeout_s: float | None = None
     abort_timeout_s: float = 2.0
     max_attempts: int = 3
+    migration_limit: int = 3  # resumptions of a stream broken mid-answer; 0 turns it off
+    enforce_disagg: bool = False  # no decode-prefills-itself fallback without a prefill
     backoff_base_s: float = 0.05
     max_backoff_s: float = 2.0
     breaker_failures: int = 3
@@ -81,6 +83,8 @@ class RouterConfig:
             raise ValueError("max_attempts and breaker_failures must be >= 1")
         if self.max_worker_queue < 1 or self.retry_after_s < 0:
             raise ValueError("max_worker_queue must be >= 1 and retry_after_s >= 0")
+        if self.migration_limit < 0:
+            raise ValueError("migration_limit must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         for name in (

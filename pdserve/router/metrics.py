@@ -44,6 +44,16 @@ class RouterCollector(Collector):
             stats.num_shed,
         )
         yield _counter(
+            "pdserve_router_migrations",
+            "Streams that broke mid-answer and were resumed on another path",
+            stats.num_migrations,
+        )
+        yield _counter(
+            "pdserve_router_decode_fallbacks",
+            "Attempts a decode worker prefilled itself (no prefill worker was available)",
+            stats.num_decode_fallbacks,
+        )
+        yield _counter(
             "pdserve_router_client_disconnects",
             "Clients that left before their response ended",
             stats.num_client_disconnects,

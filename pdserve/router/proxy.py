@@ -10,21 +10,24 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
-from pdserve.router.attempt import Attempt
+from pdserve.router.attempt import Attempt, end_broken_stream
 from pdserve.router.attempt_types import (
     AttemptEnv,
     AttemptFailed,
     ClientGone,
     Plan,
     Spawn,
+    StreamBroken,
     build_leg_bodies,
 )
 from pdserve.router.config import WORKER_ROLES, RouterConfig
 from pdserve.router.errors import error_response
 from pdserve.router.legs import UpstreamClient
 from pdserve.router.load import admission_refusal, tokens_needed
+from pdserve.router.migration import StreamTracker, first_body, is_migratable
 from pdserve.router.policies import make_policy
 from pdserve.router.stats import RouterStats
 from pdserve.router.workers import Worker, WorkerManager
@@ -44,6 +47,15 @@ class RequestCtx:
     attempt: Attempt | None = None  # the current one
     is_aborted: bool = False
     outcome: str = "499"  # stats label; stays 499 if the client leaves
+    tracker: StreamTracker | None = None  # a stream that may migrate (migration on)
+
+    def attempt_body(self) -> tuple[dict[str, Any], bytes]:
+        """The body of the next attempt: the client's, or a migrated stream's continuation."""
+        tracker = self.tracker
+        if tracker is None:
+            return self.body, self.raw_body
+        body = first_body(self.body) if tracker.out is None else tracker.resume_body(self.body)
+        return body, orjson.dumps(body)
 
 
 class Dispatcher:
@@ -124,6 +136,8 @@ class Dispatcher:
     ) -> web.StreamResponse:
         """Serve one OpenAI request end to end (the caller checked auth and parsed the body)."""
         ctx = RequestCtx(request_id, path, body, raw_body, time.monotonic())
+        if self._config.migration_limit > 0 and is_migratable(path, body):
+            ctx.tracker = StreamTracker(is_chat=path.endswith("/chat/completions"))
         self._active[request_id] = ctx
         self._idle.clear()
         try:
@@ -158,12 +172,16 @@ class Dispatcher:
             return shed
         last: AttemptFailed | None = None
         excluded: set[str] = set()
-        for attempt_no in range(self._config.max_attempts):
-            if attempt_no:
+        num_tries = 0  # attempts since the stream started or last migrated
+        for attempt_no in range(self._config.max_attempts * (1 + self._config.migration_limit)):
+            if num_tries >= self._config.max_attempts:
+                break
+            if num_tries:
                 self._stats.num_retries += 1
-                await asyncio.sleep(self._backoff_s(attempt_no))
+                await asyncio.sleep(self._backoff_s(num_tries))
             if ctx.is_aborted:
                 break
+            num_tries += 1
             plan = self._choose(excluded)
             if plan is None:
                 last = AttemptFailed(
@@ -173,9 +191,10 @@ class Dispatcher:
                 continue
             # A retry gets its own id so a worker still tearing down the old one is not confused.
             rid = ctx.request_id if attempt_no == 0 else f"{ctx.request_id[:120]}.{attempt_no}"
-            ctx.attempt = Attempt(self._env, plan, rid, ctx.request_id, ctx.path)
+            ctx.attempt = Attempt(self._env, plan, rid, ctx.request_id, ctx.path, ctx.tracker)
+            body, raw_body = ctx.attempt_body()
             try:
-                committed = await ctx.attempt.run(request, ctx.body, ctx.raw_body, ctx.started)
+                committed = await ctx.attempt.run(request, body, raw_body, ctx.started)
             except AttemptFailed as failure:
                 last = failure
                 if failure.blame is not None:
@@ -184,9 +203,41 @@ class Dispatcher:
                 if failure.is_final:
                     break
                 continue
+            except StreamBroken as broken:
+                excluded.add(broken.blame.url)
+                last = AttemptFailed(broken.reason, blame=broken.blame)
+                if not self._may_migrate(ctx, broken):
+                    break
+                num_tries = 0
+                continue
             ctx.outcome = committed.outcome
             return committed.response
+        if ctx.tracker is not None and ctx.tracker.out is not None:
+            # Bytes reached the client: the status is sent, the stream ends with an error.
+            reason = last.reason if last is not None else "request aborted"
+            await end_broken_stream(ctx.tracker.out, reason, self._config.abort_timeout_s)
+            ctx.outcome = "stream_error"
+            return ctx.tracker.out
         return self._failure_response(ctx, last)
+
+    def _may_migrate(self, ctx: RequestCtx, broken: StreamBroken) -> bool:
+        """Count a migration of a broken stream, unless its limit is reached."""
+        tracker = ctx.tracker
+        assert tracker is not None
+        if tracker.num_migrations >= self._config.migration_limit or ctx.is_aborted:
+            logger.warning(
+                "rid=%s: stream broke (%s), not migrated: %d migration(s) already",
+                ctx.request_id, broken.reason, tracker.num_migrations,
+            )  # fmt: skip
+            return False
+        tracker.num_migrations += 1
+        self._stats.num_migrations += 1
+        logger.info(
+            "rid=%s: stream broke at %s (%s); migrating after %d token(s), migration %d/%d",
+            ctx.request_id, broken.blame.url, broken.reason, len(tracker.token_ids),
+            tracker.num_migrations, self._config.migration_limit,
+        )  # fmt: skip
+        return True
 
     def _failure_response(self, ctx: RequestCtx, last: AttemptFailed | None) -> web.Response:
         headers = {"X-Request-Id": ctx.request_id}
@@ -244,6 +295,10 @@ class Dispatcher:
         colocated = self._workers.available("colocated")
         if colocated:
             return Plan(None, self._pick("colocated", colocated, excluded))
+        if decodes and not self._config.enforce_disagg:
+            # No prefill is healthy: a decode prefills the request itself, colocated-style.
+            self._stats.num_decode_fallbacks += 1
+            return Plan(None, self._pick("decode", decodes, excluded))
         return None
 
     def _pick(self, role: str, candidates: list[Worker], excluded: set[str]) -> Worker:

@@ -115,7 +115,10 @@ def cluster(
     tmp = tmp_path_factory.mktemp("restarts")
     prefills = [worker(tmp, f"prefill-{i}", "prefill", demo_model_dir) for i in range(2)]
     decodes = [worker(tmp, f"decode-{i}", "decode", demo_model_dir) for i in range(2)]
-    rt = router(tmp, prefills, decodes, "--connect-timeout", "1", "--request-timeout", "60")
+    # These tests check how requests fail when a peer dies: no migration, no decode fallback
+    # (tests/e2e/test_migration.py covers those).
+    rt = router(tmp, prefills, decodes, "--connect-timeout", "1", "--request-timeout", "60",
+                "--migration-limit", "0", "--enforce-disagg")  # fmt: skip
     assign_distinct_ports([*prefills, *decodes, rt])
     c = Restartable(prefills, decodes, rt)
     try:

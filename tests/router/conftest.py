@@ -184,10 +184,10 @@ class FakeWorker:
         if not body.get("stream"):
             tokens = [f"t{i} " for i in range(self.num_chunks)]
             return web.json_response(_completion(request.path, rid, self.model, tokens))
-        return await self._stream(request, rid, aborted)
+        return await self._stream(request, rid, body, aborted)
 
     async def _stream(
-        self, request: web.Request, rid: str, aborted: asyncio.Event
+        self, request: web.Request, rid: str, body: dict[str, Any], aborted: asyncio.Event
     ) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
@@ -196,12 +196,18 @@ class FakeWorker:
             await out.write(_sse(err) + b"data: [DONE]\n\n")
             return out
         finish = "length"
-        for i in range(self.num_chunks):
+        # Migration: chunk i carries token id i; a resumed stream starts after the given ids.
+        with_ids = body.get("return_token_ids") is True
+        start = len((body.get("resume_params") or {}).get("token_ids", []))
+        for i in range(start, self.num_chunks):
             if i and self.gate is not None and not await _first_of(self.gate.acquire(), aborted):
                 finish = "abort"
                 break
-            await out.write(_sse(_chunk(request.path, rid, self.model, f"t{i} ", None)))
-            if self.die_after_chunks == i + 1:
+            chunk = _chunk(request.path, rid, self.model, f"t{i} ", None)
+            if with_ids:
+                chunk["choices"][0]["token_ids"] = [i]
+            await out.write(_sse(chunk))
+            if self.die_after_chunks == i + 1 - start:
                 assert request.transport is not None
                 request.transport.abort()  # an abrupt crash, not a clean end
                 return out

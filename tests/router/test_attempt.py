@@ -89,7 +89,9 @@ async def test_no_retry_after_first_byte_stream_ends_with_error_event(make_worke
     p1, p2 = await make_worker("prefill"), await make_worker("prefill")
     d1, d2 = await make_worker("decode"), await make_worker("decode")
     d1.die_after_chunks = d2.die_after_chunks = 2
-    router = await make_router(prefill_urls=(p1.url, p2.url), decode_urls=(d1.url, d2.url))
+    router = await make_router(
+        prefill_urls=(p1.url, p2.url), decode_urls=(d1.url, d2.url), migration_limit=0
+    )  # with migration on, tests/router/test_migration.py
     status, raw = await post(router, {**CHAT, "stream": True}, rid="na-1")
     assert status == 200
     events = sse_events(raw)
@@ -97,6 +99,7 @@ async def test_no_retry_after_first_byte_stream_ends_with_error_event(make_worke
     assert b'"error"' in events[-2] and b"stream_broken" in events[-2]
     assert len(events) == 4  # two token chunks, the error event, [DONE]
     assert len(d1.requests) + len(d2.requests) == 1  # not retried
+    assert "return_token_ids" not in (d1.requests + d2.requests)[0].body
     assert router.stats.num_retries == 0
     assert router.stats.requests_by_status["stream_error"] == 1
 

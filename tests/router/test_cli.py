@@ -34,6 +34,15 @@ def test_flags_build_the_config():
     assert cfg.api_key == cfg.worker_api_key == "k"
 
 
+def test_migration_and_fallback_flags():
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert defaults.migration_limit == 3 and not defaults.enforce_disagg
+    args = build_parser().parse_args(["--migration-limit", "0", "--enforce-disagg"])
+    cfg = config_from_args(args)
+    assert cfg.migration_limit == 0 and cfg.enforce_disagg
+    assert main(["--migration-limit", "-1"]) == 2
+
+
 def test_env_api_key_is_the_default_and_worker_key_can_differ():
     args = build_parser().parse_args(["--worker-api-key", "w"])
     cfg = config_from_args(args, env_api_key="from-env")

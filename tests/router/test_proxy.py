@@ -81,6 +81,35 @@ async def test_colocated_workers_are_load_balanced_without_kv_params(make_worker
     assert all("kv_transfer_params" not in r.body for r in w1.requests + w2.requests)
 
 
+async def test_without_a_healthy_prefill_a_decode_prefills_the_request_itself(
+    make_worker, make_router
+):
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    prefill.is_ready = False  # fails its readiness probe: not available
+    router = await make_router(
+        prefill_urls=(prefill.url,), decode_urls=(decode.url,), is_ready_required=False
+    )
+    status, raw = await post(router, {**CHAT, "stream": False})
+    assert status == 200, raw
+    assert [("kv_transfer_params" in r.body) for r in decode.requests] == [False]
+    assert prefill.requests == []
+    assert router.stats.num_decode_fallbacks == 1
+
+
+async def test_enforce_disagg_answers_503_without_a_healthy_prefill(make_worker, make_router):
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    prefill.is_ready = False
+    router = await make_router(
+        prefill_urls=(prefill.url,),
+        decode_urls=(decode.url,),
+        is_ready_required=False,
+        enforce_disagg=True,
+    )
+    status, _ = await post(router, CHAT)
+    assert status == 503 and decode.requests == []
+    assert router.stats.num_decode_fallbacks == 0
+
+
 async def test_no_healthy_path_answers_503(make_worker, make_router):
     prefill = await make_worker("prefill")
     router = await make_router(prefill_urls=(prefill.url,), is_ready_required=False)

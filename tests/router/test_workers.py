@@ -134,7 +134,10 @@ async def test_worker_restarted_on_same_url_with_new_incarnation_is_used_again(
 ):
     prefill, decode = await make_worker("prefill"), await make_worker("decode")
     router = await make_router(
-        prefill_urls=(prefill.url,), decode_urls=(decode.url,), health_interval_s=0.05
+        prefill_urls=(prefill.url,),
+        decode_urls=(decode.url,),
+        health_interval_s=0.05,
+        enforce_disagg=True,  # no decode-prefills-itself fallback while the prefill is down
     )
     assert await post_chat(router) == 200
     worker = router.workers.get(prefill.url)
@@ -157,6 +160,7 @@ async def test_worker_started_after_the_router_is_picked_up(make_worker, make_ro
         decode_urls=(decode.url,),
         health_interval_s=0.05,
         is_ready_required=False,
+        enforce_disagg=True,  # without a prefill, nothing may serve
     )
     assert not router.workers.has_complete_path()
     assert await post_chat(router) == 503
