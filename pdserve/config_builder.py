@@ -96,6 +96,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         cpu_lease_path=args.cpu_lease,
         advertise_host=advertised,
         registration=registration_config_from_args(args, api_key),
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -110,7 +111,6 @@ def registration_config_from_args(
         interval_s=args.register_interval,
         ttl_s=args.register_ttl,
         api_key=args.router_api_key or api_key,
-        drain_timeout_s=args.drain_timeout,
     )
 
 
