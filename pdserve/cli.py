@@ -24,7 +24,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument(
+        "--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
+        default=2048, help="tokens computed per step: prompt chunks plus one per running stream "
+        "(vLLM's --max-num-batched-tokens); with --no-chunked-prefill, one prefill batch's budget",
+    )  # fmt: skip
+    p.add_argument(
+        "--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+        help="prefill prompts in chunks that share each step with the running streams' decode "
+        "rows (off: a whole prompt batch runs first and the streams wait for it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="keep full KV pages of finished and running prompts and reuse them for prompts "
+        "with the same prefix (LRU-evicted when pages run out)",
+    )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--num-threads", type=int, default=None,

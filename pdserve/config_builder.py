@@ -44,6 +44,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill=args.chunked_prefill,
+            prefix_caching=args.prefix_caching,
         ),
         deadlines=RequestDeadlines(
             waiting_s=args.timeout_queue,

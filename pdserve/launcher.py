@@ -164,6 +164,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     out = ["--dtype", args.dtype, "--page-size", str(args.page_size),
            "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs),
            "--max-prefill-tokens", str(args.max_prefill_tokens)]  # fmt: skip
+    out += [] if args.chunked_prefill else ["--no-chunked-prefill"]
+    out += [] if args.prefix_caching else ["--no-prefix-caching"]
     optional = {
         "--max-model-len": args.max_model_len,
         "--num-threads": args.num_threads,

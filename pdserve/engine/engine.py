@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.output import OutputState
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.protocol import (
     EngineError,
     EngineInfo,
@@ -57,7 +58,14 @@ class Engine:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.allocator = PageAllocator(runner.kv_config.num_pages)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, runner.kv_config.page_size)
+        page_size = runner.kv_config.page_size
+        # The decode role's prompt KV arrives by transfer, into pages it never shares.
+        self.prefix_cache = PrefixCache(
+            self.allocator,
+            page_size,
+            enabled=config.scheduler.prefix_caching and config.role != "decode",
+        )
+        self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, self.prefix_cache)
         self.observer = observer or EngineObserver()
         self.handoff: Handoff | None = None
         self.info = EngineInfo(
@@ -134,7 +142,7 @@ class Engine:
         """Decode steps of scratch sequences, timed per thread count (pdserve.thread_tuning)."""
         num_tokens = self.runner.calibration_tokens
         pages_each = self.runner.kv_config.pages_for(num_tokens)
-        max_by_pages = self.allocator.num_free // pages_each
+        max_by_pages = self.allocator.num_available // pages_each
         num_seqs = min(CALIBRATION_BATCH, self.config.scheduler.max_num_seqs, max_by_pages)
         if num_seqs < 1:
             return
@@ -231,33 +239,65 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            fn = self.runner.prefill if batch.kind == "prefill" else self.runner.decode
-            seqs = [r.seq for r in batch.requests]
+            seqs = (batch.decode, batch.prefill_seqs())
             self._stepping = True
-            fut = self._runner_thread.submit(fn, seqs)
+            fut = self._runner_thread.submit(self._step, seqs)
             # Overlap: the previous step's detokenization, stop-string checks and streaming run
             # on the loop while the runner thread computes this step.
             self._emit_deferred()
             try:
                 out = await fut
             except Exception as e:  # a model error fails this batch, never the server
-                logger.exception("%s step failed for %d requests", batch.kind, len(seqs))
+                logger.exception("%s step failed for %d requests", batch.kind, len(batch.requests))
                 for req in batch.requests:
                     self._fail(req, EngineError(f"model step failed: {e}", 500, "internal_error"))
                 continue
             finally:
                 self._stepping = False
                 self._flush_frees()
-            self._apply(batch, out)
+            self._apply(batch, *out)
 
-    def _apply(self, batch: Batch, out: RunnerOutput) -> None:
+    def _step(
+        self, seqs: tuple[list[Request], list[Sequence]]
+    ) -> tuple[RunnerOutput | None, RunnerOutput | None]:
+        """Runner thread: one step's decode rows, then its prefill rows (each path's own
+        kernels, so a token does not depend on what else shared its step)."""
+        decode, prefill = seqs
+        dec = self.runner.decode([r.seq for r in decode]) if decode else None
+        return dec, self.runner.prefill(prefill) if prefill else None
+
+    def _apply(self, batch: Batch, dec: RunnerOutput | None, pre: RunnerOutput | None) -> None:
         """Commit a step's tokens. Requests that end with this token (stop token, length) are
         finished now so the next step leaves them out; the others' deltas are deferred to
-        :meth:`_emit_deferred`, which runs once the next step is submitted."""
-        logprobs = out.logprobs or [None] * len(out.token_ids)
-        is_prefill = batch.kind == "prefill"
+        :meth:`_emit_deferred`, which runs once the next step is submitted. A prefill row that
+        was not its prompt's last chunk only advances its cached count."""
+        if dec is not None:
+            self._apply_rows(batch.decode, dec.token_ids, dec.logprobs, is_prefill=False)
+        if pre is None:
+            return
+        done: list[Request] = []
+        keep: list[int] = []
+        for i, (req, end) in enumerate(zip(batch.prefill, batch.prefill_ends, strict=True)):
+            if not req.is_finished and self.scheduler.prefilled(req, end):
+                done.append(req)
+                keep.append(i)
+        if done:
+            lps = pre.logprobs
+            self._apply_rows(
+                done, [pre.token_ids[i] for i in keep], [lps[i] for i in keep] if lps else None,
+                is_prefill=True,
+            )  # fmt: skip
+
+    def _apply_rows(
+        self,
+        reqs: list[Request],
+        token_ids: list[int],
+        logprobs: list[TokenLogprob | None] | None,
+        *,
+        is_prefill: bool,
+    ) -> None:
         deferred = self._deferred_emits
-        for req, tok, lp in zip(batch.requests, out.token_ids, logprobs, strict=True):
+        for req, tok, lp in zip(reqs, token_ids, logprobs or [None] * len(reqs), strict=True):
             if req.is_finished:
                 continue  # aborted, failed or stopped (stop string) while the step ran
             seq = req.seq
@@ -287,6 +327,7 @@ class Engine:
     # ---- outputs and endings ---------------------------------------------------------------
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         out = req.out_state.update(ids, logprobs)
+        out.num_cached_tokens = req.num_cached_prompt_tokens or 0
         self.observer.on_tokens(req, len(ids))
         req.outputs.put(out)
         if out.finish_reason is not None:
@@ -309,6 +350,7 @@ class Engine:
     def finish_with(self, req: Request, ids: list[int], finish_reason: str) -> None:
         """End a request with a last delta (the prefill leg ends after its first token)."""
         out = req.out_state.update(ids, None)
+        out.num_cached_tokens = req.num_cached_prompt_tokens or 0
         out.finish_reason = out.finish_reason or finish_reason
         self.observer.on_tokens(req, len(ids))
         req.outputs.put(out)
@@ -345,7 +387,7 @@ class Engine:
         if self.handoff is not None:
             self.handoff.on_finish(req, prev, reason or status)
         if req.seq.page_ids and not req.pages_in_room:
-            self.free_pages(req.seq.page_ids)
+            self.free_pages(self.scheduler.release_pages(req))
         if not self._stepping:
             # While a forward runs, the runner thread may be reading this sequence's page ids
             # (an abort lands between schedule() and the forward): leave them; the free above

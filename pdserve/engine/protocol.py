@@ -51,6 +51,7 @@ class GenerateOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass

@@ -64,6 +64,8 @@ class Request:
     overall_deadline: asyncio.TimerHandle | None = None
     pages_in_room: bool = False  # decode: pages lent to a KV room (the room frees them on failure)
     out_state: OutputState | None = None
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
+    num_cached_prompt_tokens: int | None = None  # prompt tokens its first prefill found cached
     outputs: OutputMailbox = field(default_factory=OutputMailbox)
 
     @property

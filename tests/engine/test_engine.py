@@ -34,7 +34,8 @@ async def assert_idle(engine: Engine, timeout_s: float = 10.0) -> None:
     assert engine.debug_requests() == []
     assert all(n == 0 for n in engine.count_by_state().values())
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while engine.allocator.num_free != engine.allocator.num_pages:
+    alloc = engine.allocator
+    while alloc.num_used or alloc.num_free + alloc.num_cached != alloc.num_pages:
         assert asyncio.get_running_loop().time() < deadline, "pages not freed"
         await asyncio.sleep(0.005)  # poll with a deadline
     engine.allocator.check_integrity()
