@@ -9,9 +9,9 @@ import pytest
 from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.engine import Engine
 from pdserve.engine.protocol import EngineError, GenerateOutput, GenerateRequest
-from pdserve.generate import generate as offline_generate
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
+from pdserve.sequence import Sequence
 
 
 async def started(runner: ModelRunner, **cfg: object) -> Engine:
@@ -41,14 +41,25 @@ async def assert_idle(engine: Engine, timeout_s: float = 10.0) -> None:
     engine.allocator.check_integrity()
 
 
-async def test_greedy_generation_equals_offline_runner_loop(runner: ModelRunner):
+def runner_loop(runner: ModelRunner, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy tokens of one prompt straight from the runner: a prefill, then decode steps."""
+    pages = list(range(runner.kv_config.pages_for(len(prompt) + num_tokens)))
+    seq = Sequence("ref", list(prompt), len(prompt), SamplingParams(temperature=0), pages)
+    out = runner.prefill([seq]).token_ids
+    while len(out) < num_tokens:
+        seq.num_cached_tokens = seq.num_tokens
+        seq.token_ids.append(out[-1])
+        out += runner.decode([seq]).token_ids
+    return out
+
+
+async def test_greedy_generation_equals_plain_runner_loop(runner: ModelRunner):
+    prompt = runner.tokenizer.encode("Hello world")
+    expected = runner_loop(runner, prompt, 10)  # before the engine owns the pages
     engine = await started(runner)
     try:
-        prompt = runner.tokenizer.encode("Hello world")
         outs = await collect(engine, "r1", prompt, max_tokens=10, temperature=0, ignore_eos=True)
-        offline = offline_generate(runner, [prompt], SamplingParams(max_tokens=10, temperature=0,
-                                                                     ignore_eos=True))  # fmt: skip
-        assert tokens(outs) == offline[0].token_ids
+        assert tokens(outs) == expected
         assert outs[-1].finish_reason == "length" and outs[-1].num_generated_tokens == 10
         assert "".join(o.text for o in outs) == runner.tokenizer.decode(tokens(outs))
         await assert_idle(engine)

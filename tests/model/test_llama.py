@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.generate import generate
+from pdserve.llm import generate
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
