@@ -1,7 +1,9 @@
 """Load-balancing policies: pick one worker among the available candidates of one role.
 
 Each role gets its own policy instance (so round robin cycles per role). Candidates are passed
-in a stable order (registration order); policies never see unavailable workers.
+in a stable order (registration order); policies never see unavailable workers. ``key`` is the
+request's prompt text where the role benefits from prefix affinity (None otherwise); only
+``cache_aware`` (pdserve.router.cache_aware) reads it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
+from pdserve.router.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from pdserve.router.config import POLICY_NAMES
 from pdserve.router.workers import Worker
 
@@ -17,8 +20,8 @@ from pdserve.router.workers import Worker
 class Policy(Protocol):
     name: str
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
-        """Pick one of ``candidates`` (non-empty)."""
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
+        """Pick one of ``candidates`` (non-empty) for a request whose prompt starts ``key``."""
         ...
 
 
@@ -30,7 +33,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
         worker = candidates[self._next % len(candidates)]
         self._next += 1
         return worker
@@ -44,7 +47,7 @@ class RandomPolicy:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
         return self._rng.choice(candidates)
 
 
@@ -57,19 +60,30 @@ class PowerOfTwoPolicy:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
         if len(candidates) == 1:
             return candidates[0]
         first, second = self._rng.sample(list(candidates), 2)
         return second if second.num_in_flight < first.num_in_flight else first
 
 
-def make_policy(name: str, rng: random.Random) -> Policy:
-    """A fresh policy instance by its config name."""
+def make_policy(
+    name: str,
+    rng: random.Random,
+    cache_aware: CacheAwareConfig | None = None,
+    role: str | None = None,
+) -> Policy:
+    """A fresh policy instance by its config name, for workers of ``role``.
+
+    ``cache_aware`` steers the roles that compute a prompt's KV (prefill, colocated); decode
+    workers keep no prefix cache, so theirs is chosen by load (power of two choices).
+    """
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "random":
         return RandomPolicy(rng)
-    if name == "power_of_two":
+    if name == "power_of_two" or (name == "cache_aware" and role == "decode"):
         return PowerOfTwoPolicy(rng)
+    if name == "cache_aware":
+        return CacheAwarePolicy(cache_aware)
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICY_NAMES}")

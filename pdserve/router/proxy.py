@@ -21,6 +21,7 @@ from pdserve.router.attempt_types import (
     Spawn,
     build_leg_bodies,
 )
+from pdserve.router.cache_aware import CacheAwareConfig, routing_text
 from pdserve.router.config import WORKER_ROLES, RouterConfig
 from pdserve.router.errors import error_response
 from pdserve.router.legs import UpstreamClient
@@ -62,7 +63,14 @@ class Dispatcher:
         self._stats = stats
         self._rng = rng
         self._env = AttemptEnv(config, upstream, stats, spawn)
-        self._policies = {role: make_policy(config.policy, rng) for role in WORKER_ROLES}
+        cache_aware = CacheAwareConfig(
+            cache_threshold=config.cache_threshold,
+            balance_abs=config.balance_abs_threshold,
+            balance_rel=config.balance_rel_threshold,
+        )
+        self._policies = {
+            role: make_policy(config.policy, rng, cache_aware, role) for role in WORKER_ROLES
+        }
         self._active: dict[str, RequestCtx] = {}
 
     def is_active(self, request_id: str) -> bool:
@@ -140,13 +148,14 @@ class Dispatcher:
     async def _run(self, request: web.Request, ctx: RequestCtx) -> web.StreamResponse:
         last: AttemptFailed | None = None
         excluded: set[str] = set()
+        key = routing_text(ctx.body)  # the prompt's start, for prefix-affine policies
         for attempt_no in range(self._config.max_attempts):
             if attempt_no:
                 self._stats.num_retries += 1
                 await asyncio.sleep(self._backoff_s(attempt_no))
             if ctx.is_aborted:
                 break
-            plan = self._choose(excluded)
+            plan = self._choose(excluded, key)
             if plan is None:
                 last = AttemptFailed(
                     "no healthy prefill+decode pair or colocated worker", status=503
@@ -189,22 +198,27 @@ class Dispatcher:
         cfg = self._config
         return backoff_s(attempt_no, cfg.backoff_base_s, cfg.max_backoff_s, self._rng)
 
-    def _choose(self, excluded: set[str]) -> Plan | None:
+    def _choose(self, excluded: set[str], key: str | None) -> Plan | None:
+        # The prompt text steers the workers that compute (and cache) its KV: the prefill of
+        # a PD pair, or a colocated worker. Decode workers keep no prefix cache.
         prefills = self._workers.available("prefill")
         decodes = self._workers.available("decode")
         if prefills and decodes:
             return Plan(
-                self._pick("prefill", prefills, excluded), self._pick("decode", decodes, excluded)
+                self._pick("prefill", prefills, excluded, key),
+                self._pick("decode", decodes, excluded, None),
             )
         colocated = self._workers.available("colocated")
         if colocated:
-            return Plan(None, self._pick("colocated", colocated, excluded))
+            return Plan(None, self._pick("colocated", colocated, excluded, key))
         return None
 
-    def _pick(self, role: str, candidates: list[Worker], excluded: set[str]) -> Worker:
+    def _pick(
+        self, role: str, candidates: list[Worker], excluded: set[str], key: str | None
+    ) -> Worker:
         # Prefer workers that have not failed this request; fall back to all when none is left.
         preferred = [w for w in candidates if w.url not in excluded] or candidates
-        return self._policies[role].choose(preferred)
+        return self._policies[role].choose(preferred, key)
 
 
 def backoff_s(attempt_no: int, base_s: float, max_s: float, rng: random.Random) -> float:
