@@ -59,11 +59,10 @@ class Engine:
         self.tokenizer = runner.tokenizer
         self.allocator = PageAllocator(runner.kv_config.num_pages)
         page_size = runner.kv_config.page_size
-        # The decode role's prompt KV arrives by transfer, into pages it never shares.
+        # Every role caches: the decode role's prompt pages arrive by transfer (pdserve.engine.
+        # handoff lends a room only the pages after the prefix it holds).
         self.prefix_cache = PrefixCache(
-            self.allocator,
-            page_size,
-            enabled=config.scheduler.prefix_caching and config.role != "decode",
+            self.allocator, page_size, enabled=config.scheduler.prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, self.prefix_cache)
         self.observer = observer or EngineObserver()
@@ -339,6 +338,7 @@ class Engine:
         """Decode role: the KV of the prompt arrived; the first token came with it."""
         seq = req.seq
         seq.num_cached_tokens = seq.num_tokens
+        self.prefix_cache.register(seq, req.page_keys)  # the prompt's full pages, for reuse
         seq.token_ids.append(first_token)
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
@@ -388,6 +388,9 @@ class Engine:
             self.handoff.on_finish(req, prev, reason or status)
         if req.seq.page_ids and not req.pages_in_room:
             self.free_pages(self.scheduler.release_pages(req))
+        elif req.pages_in_room and req.num_prefix_pages:
+            # Its room frees the pages lent to it; the cached prefix before them is ours.
+            self.free_pages(req.seq.page_ids[: req.num_prefix_pages])
         if not self._stepping:
             # While a forward runs, the runner thread may be reading this sequence's page ids
             # (an abort lands between schedule() and the forward): leave them; the free above

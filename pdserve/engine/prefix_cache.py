@@ -72,6 +72,13 @@ class PrefixCache:
             pages.pop()
         return pages
 
+    def can_allocate_with(self, hit: list[int], num_new: int) -> bool:
+        """Can ``num_new`` pages be allocated once ``hit`` (from :meth:`lookup`) is acquired?
+        Reusing an unreferenced cached page takes it off the eviction list, so it no longer
+        counts as allocatable."""
+        reviving = sum(1 for p in hit if self.allocator.refcount(p) == 0)
+        return self.allocator.can_allocate(num_new + reviving)
+
     def acquire(self, seq: Sequence, pages: list[int]) -> None:
         """Take a reference on ``pages`` (from :meth:`lookup`) as ``seq``'s leading pages."""
         self.allocator.incref(pages)

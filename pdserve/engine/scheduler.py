@@ -152,7 +152,7 @@ class Scheduler:
             if whole and batch and num_new > budget:
                 break
             missing = -(-seq.num_tokens // self.page_size) - len(hit)
-            if not self.allocator.can_allocate(missing + self._num_reviving(hit)):
+            if not self.cache.can_allocate_with(hit, missing):
                 break
             self.waiting.popleft()
             self.cache.acquire(seq, hit)
@@ -165,11 +165,6 @@ class Scheduler:
             ends.append(seq.num_cached_tokens + take)
             budget -= take
         return batch, ends
-
-    def _num_reviving(self, hit: list[int]) -> int:
-        # Reusing an unreferenced cached page takes it off the eviction list: it no longer
-        # counts as allocatable for the rest of the request's pages.
-        return sum(1 for p in hit if self.allocator.refcount(p) == 0)
 
     def _next_decode(self) -> list[Request]:
         # Each running sequence writes K/V of its last token this step: make room for it, preempting

@@ -286,7 +286,9 @@ class KVSender:
             raise ProtocolError(409, "duplicate_room", f"room {room_id!r} already has its pages")
         else:
             self.table.bind_peer(room_id, peer.key)
-        room.data.update(dst=msg.page_ids, nonce=msg.nonce, agent=peer.agent_name)
+        room.data.update(
+            dst=msg.page_ids, skip=msg.num_cached_pages, nonce=msg.nonce, agent=peer.agent_name
+        )
         self.table.fire(room_id, BOOTSTRAPPED)
         if room.page_ids:  # the engine's send() came first
             self._begin(room)
@@ -318,8 +320,20 @@ class KVSender:
 
     # -- transfer ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _src(room: Room) -> list[int]:
+        """The pages to write: the room's, less the leading ones the decode has cached."""
+        return room.page_ids[room.data.get("skip", 0) :]
+
     def _begin(self, room: Room) -> None:
-        src, dst = room.page_ids, room.data["dst"]
+        src, dst = self._src(room), room.data["dst"]
+        if not src:
+            self.table.fail(
+                room.room_id,
+                f"transfer_error: decode holds {room.data['skip']} of {len(room.page_ids)} "
+                "pages cached, nothing left to send",
+            )
+            return
         if len(src) > len(dst):
             self.table.fail(
                 room.room_id, f"transfer_error: {len(src)} pages to send, decode posted {len(dst)}"
@@ -362,7 +376,8 @@ class KVSender:
             self._after_write(room)
 
     async def _write_chunks(self, room: Room) -> None:
-        src, dst = room.page_ids, room.data["dst"][: len(room.page_ids)]
+        src = self._src(room)
+        dst = room.data["dst"][: len(src)]
         step = self.config.max_chunk_pages or len(src)
         bounds = list(range(0, len(src), step))
         for chunk, lo in enumerate(bounds):
@@ -387,7 +402,7 @@ class KVSender:
     ) -> DataNotifMsg:
         checksum = None
         if is_last and self.config.checksum:
-            checksum = await page_checksum_off_loop(self.pool.kv, room.page_ids)
+            checksum = await page_checksum_off_loop(self.pool.kv, self._src(room))
         return DataNotifMsg(
             room_id=room.room_id,
             nonce=room.data["nonce"],

@@ -1,0 +1,108 @@
+"""DecodeHandoff with a prefix cache: a room is lent only the pages after the cached prefix, and
+every page comes back whichever way the request ends (success, abort while waiting for KV)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.handoff import DecodeHandoff
+from pdserve.engine.protocol import GenerateRequest, KVTransferParams
+from pdserve.fsm import RoomOutcome, RoomState
+from pdserve.model_runner import ModelRunner
+from pdserve.sampling_params import SamplingParams
+from tests.engine.test_engine import assert_idle
+
+
+@dataclass
+class FakeRoom:
+    room_id: str
+    pages: list[int]
+    num_cached_pages: int
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    data: dict = field(default_factory=dict)
+
+
+class FakeReceiver:
+    """Rooms that end when the test says; a failed room releases its lent pages (no fence)."""
+
+    def __init__(self) -> None:
+        self.rooms: dict[str, FakeRoom] = {}
+        self.opened = asyncio.Queue()
+        self.table = SimpleNamespace(get=self.rooms.get)
+        self.engine: Engine | None = None
+
+    async def open_room(
+        self,
+        room_id,
+        request_id,
+        host,
+        port,
+        pages,
+        num_tokens,  # noqa: ANN001
+        num_cached_pages=0,
+    ):  # noqa: ANN001, ANN201
+        room = FakeRoom(room_id, list(pages), num_cached_pages)
+        self.rooms[room_id] = room
+        self.opened.put_nowait(room)
+        return room
+
+    def succeed(self, room: FakeRoom, first_token: int) -> None:
+        room.data["first_token"] = first_token
+        del self.rooms[room.room_id]
+        room.done.set_result(RoomOutcome(room.room_id, RoomState.SUCCESS, None))
+
+    def abort(self, room_id: str, reason: str = "aborted") -> bool:
+        room = self.rooms.pop(room_id, None)
+        if room is None:
+            return False
+        room.done.set_result(RoomOutcome(room_id, RoomState.FAILED, reason))
+        self.engine.free_pages(room.pages)  # the receiver's on_release
+        return True
+
+
+def request(rid: str, prompt: list[int]) -> GenerateRequest:
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    return GenerateRequest(rid, prompt, sp, KVTransferParams(rid, "127.0.0.1", 1))
+
+
+async def test_decode_lends_only_uncached_pages_and_gives_every_page_back(runner: ModelRunner):
+    engine = Engine(EngineConfig(role="decode"), runner, incarnation="test")
+    receiver = FakeReceiver()
+    receiver.engine = engine
+    engine.attach_handoff(DecodeHandoff(engine, receiver))
+    await engine.start()
+    page = runner.kv_config.page_size
+    prompt = list(range(5, 5 + 2 * page + 3))  # two full pages and a partial one
+    try:
+
+        async def run(rid: str, end: str) -> list:
+            gen = engine.generate(request(rid, prompt))
+            task = asyncio.create_task(anext(gen))
+            room = await asyncio.wait_for(receiver.opened.get(), 10)
+            if end == "abort":
+                await engine.abort(rid)
+                await asyncio.wait_for(task, 10)
+                await gen.aclose()
+                return [room]
+            receiver.succeed(room, 7)
+            outs = [await asyncio.wait_for(task, 10)]
+            outs += [o async for o in gen]
+            return [room, outs]
+
+        [first, outs] = await run("a", "ok")
+        assert (len(first.pages), first.num_cached_pages) == (3, 0)
+        assert outs[-1].num_cached_tokens == 0
+        [aborted] = await run("b", "abort")
+        assert (len(aborted.pages), aborted.num_cached_pages) == (1, 2)
+        await assert_idle(engine)
+        [again, outs] = await run("c", "ok")
+        assert (len(again.pages), again.num_cached_pages) == (1, 2)
+        assert outs[-1].num_cached_tokens == 2 * page
+        assert not set(again.pages) & set(first.pages[:2])  # never a shared page as destination
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
