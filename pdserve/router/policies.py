@@ -71,18 +71,13 @@ def make_policy(
     name: str,
     rng: random.Random,
     cache_aware: CacheAwareConfig | None = None,
-    role: str | None = None,
 ) -> Policy:
-    """A fresh policy instance by its config name, for workers of ``role``.
-
-    ``cache_aware`` steers the roles that compute a prompt's KV (prefill, colocated); decode
-    workers keep no prefix cache, so theirs is chosen by load (power of two choices).
-    """
+    """A fresh policy instance by its config name (one per worker role)."""
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "random":
         return RandomPolicy(rng)
-    if name == "power_of_two" or (name == "cache_aware" and role == "decode"):
+    if name == "power_of_two":
         return PowerOfTwoPolicy(rng)
     if name == "cache_aware":
         return CacheAwarePolicy(cache_aware)

@@ -69,7 +69,7 @@ class Dispatcher:
             balance_rel=config.balance_rel_threshold,
         )
         self._policies = {
-            role: make_policy(config.policy, rng, cache_aware, role) for role in WORKER_ROLES
+            role: make_policy(config.policy, rng, cache_aware) for role in WORKER_ROLES
         }
         self._active: dict[str, RequestCtx] = {}
 
@@ -199,14 +199,14 @@ class Dispatcher:
         return backoff_s(attempt_no, cfg.backoff_base_s, cfg.max_backoff_s, self._rng)
 
     def _choose(self, excluded: set[str], key: str | None) -> Plan | None:
-        # The prompt text steers the workers that compute (and cache) its KV: the prefill of
-        # a PD pair, or a colocated worker. Decode workers keep no prefix cache.
+        # Both legs by the prompt's text: the prefill and the decode each keep a prefix cache
+        # (a decode holding the prefix receives only the rest of the KV).
         prefills = self._workers.available("prefill")
         decodes = self._workers.available("decode")
         if prefills and decodes:
             return Plan(
                 self._pick("prefill", prefills, excluded, key),
-                self._pick("decode", decodes, excluded, None),
+                self._pick("decode", decodes, excluded, key),
             )
         colocated = self._workers.available("colocated")
         if colocated:

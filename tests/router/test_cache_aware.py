@@ -92,7 +92,5 @@ def test_routing_text_of_chat_and_completion_bodies():
     assert routing_text({"prompt": ""}) is None and routing_text({}) is None
 
 
-def test_cache_aware_steers_prefill_and_colocated_and_leaves_decode_to_load():
-    for role in ("prefill", "colocated"):
-        assert make_policy("cache_aware", random.Random(0), role=role).name == "cache_aware"
-    assert make_policy("cache_aware", random.Random(0), role="decode").name == "power_of_two"
+def test_make_policy_knows_cache_aware():
+    assert make_policy("cache_aware", random.Random(0)).name == "cache_aware"
