@@ -50,7 +50,7 @@ class RunnerConfig:
     num_pages: int | None = None  # None: as many as fit in kv_cache_bytes
     kv_cache_bytes: int = 512 * 1024 * 1024
     max_num_seqs: int = 64
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 2048  # the offline LLM's default step budget
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads of prefill; None: torch's default

@@ -30,10 +30,9 @@ from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner_thread import RunnerThread
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
+from pdserve.engine.warmup import should_calibrate, warm_up
 from pdserve.kernels.kv_cache import PageAllocator
-from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
-from pdserve.thread_tuning import CALIBRATION_BATCH
 
 if TYPE_CHECKING:
     from pdserve.engine.handoff import Handoff
@@ -117,46 +116,11 @@ class Engine:
         return self._ready and self._loop_task is not None and not self._loop_task.done()
 
     async def _warmup(self) -> None:
-        """A real one-token generation through the local runner proves the model works."""
-        seq = Sequence(
-            "warmup", [self.tokenizer.bos_token_id or 0], 1, SamplingParams(max_tokens=1)
-        )
-        seq.page_ids = self.allocator.allocate(1)
-        try:
-            await self._runner_thread.submit(self.runner.prefill, [seq])
-        finally:
-            self.allocator.free(seq.page_ids)
-        if self._should_calibrate_threads():
-            await self._calibrate_decode_threads()
-
-    def _should_calibrate_threads(self) -> bool:
-        runner = self.runner
-        return (
-            self.config.role != "prefill"
-            and runner.config.decode_threads is None
-            and runner.prefill_threads > 1
-        )
-
-    async def _calibrate_decode_threads(self) -> None:
-        """Decode steps of scratch sequences, timed per thread count (pdserve.thread_tuning)."""
-        num_tokens = self.runner.calibration_tokens
-        pages_each = self.runner.kv_config.pages_for(num_tokens)
-        max_by_pages = self.allocator.num_available // pages_each
-        num_seqs = min(CALIBRATION_BATCH, self.config.scheduler.max_num_seqs, max_by_pages)
-        if num_seqs < 1:
-            return
-        token = self.tokenizer.bos_token_id or 0
-        seqs = [
-            Sequence(f"calibrate-{i}", [token] * (num_tokens - 1), num_tokens - 1,
-                     SamplingParams(temperature=0.0), self.allocator.allocate(pages_each))
-            for i in range(num_seqs)
-        ]  # fmt: skip
-        try:
-            choice = await self._runner_thread.submit(self.runner.calibrate_decode_threads, seqs)
-        finally:
-            for s in seqs:
-                self.allocator.free(s.page_ids)
-        logger.info("%s (batch %d): %s", self.info.engine_id, num_seqs, choice.describe())
+        await warm_up(
+            self.runner, self.allocator, self._runner_thread,
+            calibrate=should_calibrate(self.runner, self.config.role),
+            max_num_seqs=self.config.scheduler.max_num_seqs, engine_id=self.info.engine_id,
+        )  # fmt: skip
 
     # ---- public API ------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
