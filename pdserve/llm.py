@@ -69,12 +69,18 @@ class LLM:
         self, prompts: list[list[int]], sampling: SamplingParams
     ) -> list[GenerationResult]:
         """Generate for every prompt (each with its own copy of ``sampling``) until all end."""
-        return self._call(self.agenerate(prompts, sampling))
+        return self._call(self._generate(prompts, sampling))
 
     async def agenerate(
         self, prompts: list[list[int]], sampling: SamplingParams
     ) -> list[GenerationResult]:
-        """:meth:`generate` on the LLM's own loop (do not await it from another loop)."""
+        """:meth:`generate`, awaitable from any event loop (the work runs on the LLM's own)."""
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling), self._loop)
+        return await asyncio.wrap_future(future)
+
+    async def _generate(
+        self, prompts: list[list[int]], sampling: SamplingParams
+    ) -> list[GenerationResult]:
         first = self._num_requests
         self._num_requests += len(prompts)
         return list(

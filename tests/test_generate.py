@@ -89,3 +89,11 @@ def test_generate_is_callable_from_inside_a_running_event_loop(runner: ModelRunn
 
     result = asyncio.run(caller())
     assert len(result.token_ids) == 3
+
+
+def test_agenerate_is_awaitable_from_another_event_loop(runner: ModelRunner) -> None:
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with LLM(runner) as llm:
+        sync = llm.generate([[5, 6, 7], [8, 9]], sampling)
+        together = asyncio.run(llm.agenerate([[5, 6, 7], [8, 9]], sampling))
+    assert [r.token_ids for r in together] == [r.token_ids for r in sync]
