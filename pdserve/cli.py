@@ -30,12 +30,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "(vLLM's --max-num-batched-tokens); with --no-chunked-prefill, one prefill batch's budget",
     )  # fmt: skip
     p.add_argument(
-        "--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+        "--chunked-prefill", "--enable-chunked-prefill", dest="chunked_prefill",
+        action=argparse.BooleanOptionalAction, default=True,
         help="prefill prompts in chunks that share each step with the running streams' decode "
         "rows (off: a whole prompt batch runs first and the streams wait for it)",
     )  # fmt: skip
     p.add_argument(
-        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        "--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
+        action=argparse.BooleanOptionalAction, default=True,
         help="keep full KV pages of finished and running prompts and reuse them for prompts "
         "with the same prefix (LRU-evicted when pages run out)",
     )  # fmt: skip

@@ -53,5 +53,5 @@ def test_prefix_caching_and_chunked_prefill_are_on_unless_turned_off(tmp_path) -
     cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path)]))
     worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
     assert worker.prefix_caching and worker.chunked_prefill
-    vllm_name = _serve_parse(["--max-num-batched-tokens", "256"])
-    assert vllm_name.max_prefill_tokens == 256
+    vllm_names = _serve_parse(["--max-num-batched-tokens", "256", "--no-enable-prefix-caching"])
+    assert vllm_names.max_prefill_tokens == 256 and not vllm_names.prefix_caching
