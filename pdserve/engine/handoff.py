@@ -155,6 +155,10 @@ class DecodeHandoff(Handoff):
             pages = alloc.allocate(need)
             seq.page_ids.extend(pages)
             req.pages_in_room = True
+            logger.debug(
+                "req=%s room=%s: %d prompt pages cached here, %d lent to the room",
+                req.request_id, req.room_id, len(hit), len(pages),
+            )  # fmt: skip
             task = asyncio.create_task(self._receive(req, pages), name=f"kv-recv-{req.room_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

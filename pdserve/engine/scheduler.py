@@ -13,6 +13,7 @@ between roles lives elsewhere.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -21,6 +22,8 @@ from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import Request, RequestState
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,10 @@ class Scheduler:
             seq.page_ids.extend(self.allocator.allocate(missing))
             if req.num_cached_prompt_tokens is None:  # the first prefill is what clients see
                 req.num_cached_prompt_tokens = seq.num_cached_tokens
+            logger.debug(
+                "req=%s prefill starts: %d of %d tokens cached, %d pages shared",
+                req.request_id, seq.num_cached_tokens, seq.num_tokens, len(hit),
+            )  # fmt: skip
             take = num_new if whole else min(num_new, budget)
             self.prefilling.append(req)
             batch.append(req)
