@@ -32,11 +32,12 @@ from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
 from pdserve.engine.warmup import should_calibrate, warm_up
 from pdserve.kernels.kv_cache import PageAllocator
+from pdserve.model_runner import RunnerOutput
 from pdserve.sequence import Sequence
 
 if TYPE_CHECKING:
     from pdserve.engine.handoff import Handoff
-    from pdserve.model_runner import ModelRunner, RunnerOutput
+    from pdserve.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -223,11 +224,20 @@ class Engine:
     def _step(
         self, seqs: tuple[list[Request], list[Sequence]]
     ) -> tuple[RunnerOutput | None, RunnerOutput | None]:
-        """Runner thread: one step's decode rows, then its prefill rows (each path's own
-        kernels, so a token does not depend on what else shared its step)."""
+        """Runner thread: one forward for the step. A mixed step runs its decode rows through
+        the prefill path, as one-token rows over their cached context after the prompt chunks,
+        so the weights are read once for both (on a CPU the decode rows then cost little)."""
         decode, prefill = seqs
-        dec = self.runner.decode([r.seq for r in decode]) if decode else None
-        return dec, self.runner.prefill(prefill) if prefill else None
+        if not prefill:
+            return self.runner.decode([r.seq for r in decode]), None
+        if not decode:
+            return None, self.runner.prefill(prefill)
+        out = self.runner.prefill(prefill + [r.seq for r in decode])
+        n, lps = len(prefill), out.logprobs
+        return (
+            RunnerOutput(out.token_ids[n:], lps[n:] if lps else None),
+            RunnerOutput(out.token_ids[:n], lps[:n] if lps else None),
+        )
 
     def _apply(self, batch: Batch, dec: RunnerOutput | None, pre: RunnerOutput | None) -> None:
         """Commit a step's tokens. Requests that end with this token (stop token, length) are
