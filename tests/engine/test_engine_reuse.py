@@ -127,12 +127,15 @@ async def test_running_stream_gets_a_token_every_step_of_a_long_prompts_prefill(
             await asyncio.sleep(0.001)  # poll with a deadline
         long_ids = [(3 * i) % 170 + 4 for i in range(100)]
         long = await collect(engine, "long", long_ids, max_tokens=2, ignore_eos=True)
-        await stream
         chunks = [i for i, (_, p) in enumerate(steps) if any(sid == "long" for sid, _ in p)]
         assert len(chunks) >= 100 // 12  # prefilled over many steps
         assert all("stream" in steps[i][0] for i in chunks)  # ... each one with the stream's row
         assert all(len(d) + sum(n for _, n in p) <= 12 for d, p in steps)  # the step budget
         assert len(tokens(long)) == 2
+        # The rows that rode the chunks' forwards sampled what decode steps alone sample.
+        solo = await collect(engine, "solo", [5, 6, 7], max_tokens=40, temperature=0,
+                             ignore_eos=True)  # fmt: skip
+        assert tokens(await stream) == tokens(solo)
         await assert_idle(engine)
     finally:
         await engine.stop()
