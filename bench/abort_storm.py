@@ -468,7 +468,7 @@ def storm_config_from_args(args: argparse.Namespace, quick: dict[str, int]) -> S
 
 
 def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    from pdserve.cli import resolve_model_dir
+    from pdserve.cli_common import resolve_model_dir
 
     model_dir = str(resolve_model_dir(args.model))
     return ClusterSpec(model_dir, served_model_name=args.served_model_name, log_dir=args.log_dir)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port  # noqa: E402
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
 from bench.vllm_ref import VllmServer  # noqa: E402
-from pdserve.cli import run_async  # noqa: E402
+from pdserve.cli_common import run_async  # noqa: E402
 from pdserve.model.demo import DemoShape, ensure_demo_model, write_demo_model  # noqa: E402
 
 # Issue 3's reference shapes (Llama, bf16, head_dim 64); the vocabulary comes from the tokenizer

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 
 from bench import workloads  # noqa: E402
 from bench.workloads import Prompt  # noqa: E402
-from pdserve.cli import run_async  # noqa: E402
+from pdserve.cli_common import run_async  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -4,71 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
-from collections.abc import Coroutine
-from pathlib import Path
-from typing import Any, TypeVar
 
-from pdserve.envs import quiet_nixl_logs, read_env
+from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logging
+from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
+from pdserve.envs import quiet_nixl_logs
+from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
-T = TypeVar("T")
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF-format model dir (default: built-in demo)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument(
-        "--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
-        default=2048, help="tokens computed per step: prompt chunks plus one per running stream "
-        "(vLLM's --max-num-batched-tokens); with --no-chunked-prefill, one prefill batch's budget",
-    )  # fmt: skip
-    p.add_argument(
-        "--chunked-prefill", "--enable-chunked-prefill", dest="chunked_prefill",
-        action=argparse.BooleanOptionalAction, default=True,
-        help="prefill prompts in chunks that share each step with the running streams' decode "
-        "rows (off: a whole prompt batch runs first and the streams wait for it)",
-    )  # fmt: skip
-    p.add_argument(
-        "--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
-        action=argparse.BooleanOptionalAction, default=True,
-        help="keep full KV pages of finished and running prompts and reuse them for prompts "
-        "with the same prefix (LRU-evicted when pages run out)",
-    )  # fmt: skip
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--num-threads", type=int, default=None,
-        help="torch intra-op threads (prefill; decode's most); default: torch's (all cores)",
-    )  # fmt: skip
-    p.add_argument(
-        "--decode-threads", type=_threads_or_auto, default=None, metavar="{auto,N}",
-        help="torch threads of decode steps; auto (default): 1 unless more are >= 1.3x faster "
-        "in a start-up measurement (or one thread needs >= 20 ms per step)",
-    )  # fmt: skip
-
-
-def _threads_or_auto(value: str) -> int | None:
-    if value == "auto":
-        return None
-    try:
-        threads = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'auto' or a thread count, got {value!r}"
-        ) from None
-    if threads < 1:
-        raise argparse.ArgumentTypeError(f"thread count must be >= 1, got {threads}")
-    return threads
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_device_args(p, DEFAULT_GPU_MEMORY_UTILIZATION)
     p.add_argument("--role", default="colocated", choices=["prefill", "decode", "colocated"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 30001 prefill, 30002 decode")
@@ -110,7 +59,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--bootstrap-request-timeout", type=float, default=5.0,
         help="one HTTP request to a bootstrap server",
     )  # fmt: skip
-    p.add_argument("--log-level", default=None)
+    p.add_argument("--log-level", default=None, help="default $PDSERVE_LOG_LEVEL, else INFO")
+    add_parent_pid_arg(p)
     p.add_argument(
         "--gil-switch-interval-ms",
         type=float,
@@ -145,22 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     return commands[argv[0]](argv[1:])
 
 
-def setup_logging(level: str | None) -> None:
-    logging.basicConfig(
-        level=(level or read_env().log_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on uvloop (on asyncio's own loop where uvloop is missing); its result."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency, but stay usable without
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def _serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve serve")
     add_serve_args(p)
@@ -173,11 +107,15 @@ def _serve(argv: list[str]) -> int:
     except ValueError as e:  # a bad flag value: a usage error, not a traceback
         p.error(str(e))
     apply_gil_switch_interval(args.gil_switch_interval_ms)
-    run_async(_serve_forever(config))
+    try:
+        run_async(_serve_forever(config, args.parent_pid))
+    except UNSERVABLE as e:  # the server failed to start: say why, without a traceback
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
-async def _serve_forever(config: object) -> None:
+async def _serve_forever(config: object, parent_pid: int | None = None) -> None:
     from pdserve.server import Server
 
     server = Server(config)  # type: ignore[arg-type]
@@ -188,7 +126,7 @@ async def _serve_forever(config: object) -> None:
     await server.start()
     print(f"pdserve {server.config.role} serving at {server.url}", flush=True)
     try:
-        await stop.wait()
+        await wait_for_stop(stop, parent_pid)
     finally:
         await server.stop()
 
@@ -215,15 +153,6 @@ def _make_demo(argv: list[str]) -> int:
     from pdserve.model.demo import main as demo_main
 
     return demo_main(argv)
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    """The given model dir, or the built-in demo model (created on first use)."""
-    if model:
-        return Path(model)
-    from pdserve.model.demo import default_demo_dir, ensure_demo_model
-
-    return ensure_demo_model(default_demo_dir())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from pdserve.api.config import ApiConfig
-from pdserve.cli import resolve_model_dir
+from pdserve.cli_common import resolve_model_dir, served_model_name
 from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.envs import read_env
@@ -18,35 +18,46 @@ from pdserve.transport import FaultPlan, TransportConfig
 DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30001}
 
 
-def runner_config_from_args(args: argparse.Namespace) -> RunnerConfig:
+def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -> RunnerConfig:
+    """The runner flags (cli_common.add_runner_args) of a worker of ``role``, or of generate."""
     return RunnerConfig(
-        model_dir=str(resolve_model_dir(args.model or read_env().model_dir)),
+        model_dir=str(resolve_model_dir(args.model)),
         dtype=args.dtype,
         page_size=args.page_size,
-        kv_cache_bytes=args.kv_cache_mb << 20,
+        kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
+        num_pages=args.num_gpu_blocks,
         max_num_seqs=args.max_num_seqs,
         max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
-        decode_threads=args.decode_threads,
-        prefills_prompts=args.role != "decode",
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        # generate has no --decode-threads: it measures nothing at start-up.
+        decode_threads=getattr(args, "decode_threads", None),
+        prefills_prompts=role != "decode",
+    )
+
+
+def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    """The batching flags (cli_common.add_runner_args) of a worker, or of generate."""
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill=args.chunked_prefill,
+        prefix_caching=args.prefix_caching,
     )
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    runner = runner_config_from_args(args)
-    model_name = args.served_model_name or _model_name(args.model)
+    runner = runner_config_from_args(args, args.role)
+    model_name = served_model_name(args.served_model_name, runner.model_dir)
     engine_id = args.engine_id or f"{args.role}-{args.host}:{args.port or DEFAULT_PORTS[args.role]}"
     engine = EngineConfig(
         role=args.role,
         model_name=model_name,
         engine_id=engine_id,
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_prefill_tokens=args.max_prefill_tokens,
-            chunked_prefill=args.chunked_prefill,
-            prefix_caching=args.prefix_caching,
-        ),
+        scheduler=scheduler_config_from_args(args),
         deadlines=RequestDeadlines(
             waiting_s=args.timeout_queue,
             waiting_for_kv_s=args.timeout_waiting_for_kv,
@@ -104,9 +115,3 @@ def fault_plan_from_json(text: str | None) -> FaultPlan | None:
         return FaultPlan(**fields)
     except TypeError as e:  # an unknown field name
         raise ValueError(f"--fault-plan: {e}") from None
-
-
-def _model_name(model: str | None) -> str:
-    if not model:
-        return "pdserve-demo"
-    return model.rstrip("/").rsplit("/", 1)[-1]

@@ -15,11 +15,26 @@ def quiet_nixl_logs() -> None:
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
 
 
+def ucx_tls() -> str:
+    """The UCX transports UCX may choose from (``UCX_TLS``), for logs: NIXL does not report
+    which ones a connection picked."""
+    return os.environ.get("UCX_TLS") or "unset (UCX picks among all available)"
+
+
+def triton_interpreter_enabled() -> bool:
+    """``TRITON_INTERPRET=1``: Triton kernels run on the CPU in its interpreter (how CPU CI
+    exercises the GPU attention kernels). Triton reads the variable itself; pdserve reads it
+    only to know whether its Triton backend can run on a CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 @dataclass(frozen=True)
 class Env:
     log_level: str = "INFO"
     model_dir: str | None = None
     api_key: str | None = None
+    # OUT: where a device machine's job leaves files to bring back (bench/gpu_check.py).
+    results_dir: str | None = None
 
 
 def read_env() -> Env:
@@ -27,4 +42,5 @@ def read_env() -> Env:
         log_level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
         model_dir=os.environ.get("PDSERVE_MODEL") or None,
         api_key=os.environ.get("PDSERVE_API_KEY") or None,
+        results_dir=os.environ.get("OUT") or None,
     )

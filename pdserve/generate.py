@@ -1,7 +1,8 @@
 """`pdserve generate`: offline generation from the command line, through :class:`pdserve.llm.LLM`.
 
 ``pdserve generate --model DIR --prompt TEXT [--prompt-ids 1,2,3] --max-tokens N
-[--temperature T --seed S] [--json]``. Without ``--model`` the built-in demo model is used.
+[--temperature T --seed S] [--json]``, plus the runner flags of ``pdserve serve`` (``--dtype``,
+``--kv-cache-mb``, ...). Without ``--model`` the built-in demo model is used.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import dataclasses
 import json
 import sys
 
-from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.cli_common import UNSERVABLE, DeprecatedAlias, add_runner_args, setup_logging
+from pdserve.config_builder import runner_config_from_args, scheduler_config_from_args
+from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.llm import LLM
-from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 
 
@@ -29,17 +32,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-mib", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    add_device_args(p, DEFAULT_GPU_MEMORY_UTILIZATION)
+    add_runner_args(p)
     p.add_argument(
-        "--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
-        default=2048, help="tokens computed per step (as `pdserve serve`)",
-    )  # fmt: skip
-    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        "--kv-cache-mib", action=DeprecatedAlias, new="--kv-cache-mb", dest="kv_cache_mb", type=int
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--log-level", default="WARNING", help="logs go to stderr (default WARNING)")
     return p.parse_args(argv)
 
 
@@ -63,18 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt and not args.prompt_ids:
         print("pdserve generate: give at least one --prompt or --prompt-ids", file=sys.stderr)
         return 2
-    if args.model is None:
-        from pdserve.model.demo import ensure_demo_model
-
-        args.model = str(ensure_demo_model())
-    runner = ModelRunner(
-        RunnerConfig(
-            model_dir=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            kv_cache_bytes=args.kv_cache_mib * 2**20,
-        )
-    )
+    setup_logging(args.log_level)
+    config = runner_config_from_args(args)
+    try:
+        runner = ModelRunner(config)
+    except UNSERVABLE as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -83,13 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    scheduler = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_prefill_tokens=args.max_prefill_tokens,
-        chunked_prefill=args.chunked_prefill,
-        prefix_caching=args.prefix_caching,
-    )
-    with LLM(runner, scheduler) as llm:
+    with LLM(runner, scheduler_config_from_args(args)) as llm:
         results = llm.generate(_prompts(args, runner), sampling)
     for result in results:
         if args.json:

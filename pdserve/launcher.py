@@ -13,7 +13,16 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from pdserve.cli import add_model_args, resolve_model_dir
+from pdserve.cli_common import add_model_args, resolve_model_dir, served_model_name
+from pdserve.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    add_device_args,
+    device_arg,
+    is_cpu,
+    same_physical_device,
+)
+from pdserve.lifetime import parent_death_preexec
+from pdserve.model.config import ModelConfig, ModelDirError
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,8 @@ class ClusterConfig:
     bootstrap_port: int = 8998
     ready_timeout_s: float = 600.0
     extra_worker_args: tuple[str, ...] = ()  # both workers
+    prefill_args: tuple[str, ...] = ()  # the prefill worker only (its device)
+    decode_args: tuple[str, ...] = ()  # the decode worker only
     # Both workers share this machine's cores: their model steps take turns (engine/cpu_lease.py).
     cpu_lease_path: str | None = None
 
@@ -44,9 +55,13 @@ class Child:
 
 
 def _popen(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "pdserve", *argv]
-    print(f"[up] starting {name}: {' '.join(cmd[2:])}", flush=True)
-    return subprocess.Popen(cmd, start_new_session=True)
+    # A child lives no longer than this supervisor, even one that is SIGKILLed: the kernel's
+    # parent-death signal, and the child's own watch on its parent pid (pdserve/lifetime.py).
+    me = os.getpid()
+    cmd = [sys.executable, "-m", "pdserve", *argv, "--parent-pid", str(me)]
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=parent_death_preexec(me))
+    print(f"[up] started {name} (pid {proc.pid}): {' '.join(cmd[2:])}", flush=True)
+    return proc
 
 
 def _spawn(name: str, argv: list[str], url: str) -> Child:
@@ -64,16 +79,20 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
     decode_url = f"http://{host}:{cfg.decode_port}"
     return [
         ("prefill", ["serve", "--role", "prefill", "--port", str(cfg.prefill_port),
-                     "--bootstrap-port", str(cfg.bootstrap_port), *common], prefill_url),
-        ("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common],
-         decode_url),
+                     "--bootstrap-port", str(cfg.bootstrap_port), *common, *cfg.prefill_args],
+         prefill_url),
+        ("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common,
+                    *cfg.decode_args], decode_url),
         ("router", ["router", "--port", str(cfg.router_port), "--prefill", prefill_url,
                     "--decode", decode_url], f"http://{host}:{cfg.router_port}"),
     ]  # fmt: skip
 
 
-def start_cluster(cfg: ClusterConfig) -> list[Child]:
-    return [_spawn(name, argv, url) for name, argv, url in child_specs(cfg)]
+def start_cluster(cfg: ClusterConfig, children: list[Child]) -> None:
+    """Start every child, appending each to ``children`` at once (so that a signal arriving
+    half-way leaves the started ones in the list that stop_cluster stops)."""
+    for name, argv, url in child_specs(cfg):
+        children.append(_spawn(name, argv, url))
 
 
 def is_ready(url: str) -> bool:
@@ -151,10 +170,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-port", type=int, default=30002)
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    add_device_args(p, utilization_default=None)
+    p.add_argument("--prefill-device", type=device_arg, default=None, help="default: --device")
+    p.add_argument("--decode-device", type=device_arg, default=None, help="default: --device")
     p.add_argument(
-        "--cpu-lease", action=argparse.BooleanOptionalAction, default=True,
+        "--cpu-lease", action=argparse.BooleanOptionalAction, default=None,
         help="the two workers take turns at this machine's cores for model steps, each with all "
-        "its threads (off: they compute at once; then split the cores with --num-threads)",
+        "its threads (off: they compute at once; then split the cores with --num-threads); "
+        "default: on when both workers run on the CPU",
     )  # fmt: skip
     return p.parse_args(argv)
 
@@ -162,11 +185,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def worker_args(args: argparse.Namespace) -> list[str]:
     """Every model/engine flag of `pdserve up`, passed on to both workers."""
     out = ["--dtype", args.dtype, "--page-size", str(args.page_size),
-           "--kv-cache-mb", str(args.kv_cache_mb), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-seqs", str(args.max_num_seqs),
            "--max-prefill-tokens", str(args.max_prefill_tokens)]  # fmt: skip
     out += [] if args.chunked_prefill else ["--no-chunked-prefill"]
     out += [] if args.prefix_caching else ["--no-prefix-caching"]
     optional = {
+        "--kv-cache-mb": args.kv_cache_mb,  # None: each worker sizes its own (CPU or CUDA)
+        "--num-gpu-blocks": args.num_gpu_blocks,
         "--max-model-len": args.max_model_len,
         "--num-threads": args.num_threads,
         "--decode-threads": args.decode_threads,  # None is auto, the workers' default
@@ -179,17 +204,39 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     model_dir = str(resolve_model_dir(args.model))  # made once, before the children race for it
+    prefill_device = args.prefill_device or args.device
+    decode_device = args.decode_device or args.device
+    on_cpu = is_cpu(prefill_device) and is_cpu(decode_device)
+    use_lease = on_cpu if args.cpu_lease is None else args.cpu_lease
     return ClusterConfig(
         model_dir=model_dir,
-        served_model_name=args.served_model_name or os.path.basename(model_dir.rstrip("/")),
+        served_model_name=served_model_name(args.served_model_name, model_dir),
         router_port=args.router_port,
         prefill_port=args.prefill_port,
         decode_port=args.decode_port,
         bootstrap_port=args.bootstrap_port,
         ready_timeout_s=args.ready_timeout,
         extra_worker_args=tuple(worker_args(args)),
-        cpu_lease_path=default_lease_path(args.router_port) if args.cpu_lease else None,
+        prefill_args=role_device_args(args, prefill_device, decode_device),
+        decode_args=role_device_args(args, decode_device, prefill_device),
+        cpu_lease_path=default_lease_path(args.router_port) if use_lease else None,
     )
+
+
+def role_device_args(args: argparse.Namespace, device: str, peer_device: str) -> tuple[str, ...]:
+    """One worker's device flags. Two workers on one GPU split it: half the default memory
+    fraction each unless --gpu-memory-utilization says otherwise (a fraction of the device per
+    worker)."""
+    out = ["--device", device]
+    if not is_cpu(device):
+        utilization = args.gpu_memory_utilization
+        if utilization is None:
+            shared = same_physical_device(device, peer_device)
+            utilization = DEFAULT_GPU_MEMORY_UTILIZATION / (2 if shared else 1)
+        out += ["--gpu-memory-utilization", str(utilization)]
+    if args.enforce_eager:
+        out.append("--enforce-eager")
+    return tuple(out)
 
 
 def default_lease_path(router_port: int) -> str:
@@ -202,11 +249,25 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM (kill, a process manager) stops the children like Ctrl-C
 
 
+def handle_stop_signals() -> None:
+    """SIGINT and SIGTERM stop the cluster, whatever disposition this process inherited (a
+    background job of a non-interactive shell starts with SIGINT ignored, and Python then
+    installs no Ctrl-C handler of its own)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
 def main(argv: list[str]) -> int:
     cfg = cluster_config_from_args(parse_args(argv))
-    signal.signal(signal.SIGTERM, _interrupt)
-    children = start_cluster(cfg)
+    try:  # refuse a model the workers cannot serve before starting any of them
+        ModelConfig.from_dir(cfg.model_dir)
+    except ModelDirError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    children: list[Child] = []
+    handle_stop_signals()
     try:
+        start_cluster(cfg, children)
         wait_ready(children, cfg.ready_timeout_s)
         url = children[-1].url
         print(
@@ -223,5 +284,8 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("\n[up] stopping", flush=True)
         return 0
+    except (RuntimeError, TimeoutError) as e:  # a child that would not start (its log says why)
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 1
     finally:
         stop_cluster(children)

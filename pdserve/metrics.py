@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.stats import EngineObserver
+from pdserve.transport.observer import TransferObserver
 
 if TYPE_CHECKING:
     from pdserve.engine.cpu_lease import LeaseStats
@@ -23,6 +24,12 @@ if TYPE_CHECKING:
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
                     5.12, 10.24, 20.48, 40.96, 81.92)  # fmt: skip
+
+# KV transfers of one room: a few hundred microseconds (a small room over shared memory) to
+# seconds (a long prompt over TCP); bytes per room: one 4 KiB page to several GiB.
+_TRANSFER_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0, 2.5, 5.0, 10.0)  # fmt: skip
+_BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 13))  # 4 KiB .. 16 GiB
 
 # Engine request states -> the gauge names the operators' dashboards use.
 _QUEUE_GAUGES = {
@@ -94,6 +101,35 @@ class PrometheusObserver(EngineObserver):
         self.requests.labels(self.role, status).inc()
         if req.last_token_at is not None:
             self.e2e.labels(self.role).observe(req.last_token_at - req.arrival)
+
+
+class TransferMetrics(TransferObserver):
+    """KV transfers of a prefill worker's sender, observed as each room's last write lands."""
+
+    def __init__(self, role: str, registry: CollectorRegistry) -> None:
+        labels = ["role"]
+        # Children resolved now: every series exists (at 0) on a server that never sent a room.
+        self.seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "KV transfer time of a room: first WRITE posted to last WRITE done",
+            labels, buckets=_TRANSFER_BUCKETS, registry=registry,
+        ).labels(role)  # fmt: skip
+        self.bytes = Histogram(
+            "pdserve_kv_transfer_bytes", "KV bytes written per room", labels,
+            buckets=_BYTES_BUCKETS, registry=registry,
+        ).labels(role)  # fmt: skip
+        self.ready_wait = Histogram(
+            "pdserve_kv_ready_wait_seconds",
+            "Time a room's first WRITE waited for the prefill's KV writes to finish on the device",
+            labels, buckets=_TRANSFER_BUCKETS, registry=registry,
+        ).labels(role)  # fmt: skip
+
+    def on_room_sent(self, seconds: float, num_bytes: int) -> None:
+        self.seconds.observe(seconds)
+        self.bytes.observe(num_bytes)
+
+    def on_kv_ready_wait(self, seconds: float) -> None:
+        self.ready_wait.observe(seconds)
 
 
 class EngineCollector:

@@ -8,16 +8,32 @@ already written into its pages.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.attention.backend import AttentionConfig
+from pdserve.attention.factory import create_backend
+from pdserve.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    check_device,
+    check_gpu_memory_utilization,
+    is_cpu,
+)
 from pdserve.engine.protocol import TokenLogprob
-from pdserve.kernels.attention import PrefillSeqMeta, additive_mask, decode_key_mask
+from pdserve.kernels.host_copy import HostSample, PendingHostSample
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
+from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.linear import auto_fp32_min_rows
+from pdserve.kernels.logits_processors import logits_processing_for
+from pdserve.kernels.prompt_logprobs import (
+    PromptLogprobs,
+    prompt_logprobs_for,
+    wants_prompt_logprobs,
+)
 from pdserve.kernels.sampling import (
     SamplerOutput,
     is_plain_greedy,
@@ -25,9 +41,21 @@ from pdserve.kernels.sampling import (
     sampling_tensors_for,
 )
 from pdserve.kernels.topk import argmax_rows
+from pdserve.kv_sizing import (
+    CPU_DEFAULT_KV_CACHE_BYTES,
+    DeviceMemory,
+    KVSizing,
+    device_memory,
+    graph_reserve,
+    measure_kv_sizing,
+    warm_up_sequences,
+)
 from pdserve.model.config import ModelConfig
-from pdserve.model.llama import ForwardBatch, LlamaModel, PagedKV
-from pdserve.model.loader import load_weights
+from pdserve.model.dtype import resolve_dtype
+from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch
+from pdserve.model.graph_runner import DecodeGraphRunner
+from pdserve.model.llama import LlamaModel
+from pdserve.model.loader import load_weights, stored_dtype
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import (
@@ -39,20 +67,24 @@ from pdserve.thread_tuning import (
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class RunnerConfig:
     model_dir: str
-    dtype: str = "bfloat16"  # "bfloat16" | "float32" (CPU); "float16" too on CUDA
+    # "auto": the checkpoint's own (pdserve.model.dtype); "bfloat16" | "float32"; "float16" on CUDA
+    dtype: str = "auto"
     page_size: int = 16
     num_pages: int | None = None  # None: as many as fit in kv_cache_bytes
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    # None: 512 MiB on CPU; on CUDA what gpu_memory_utilization leaves (see pdserve.kv_sizing).
+    kv_cache_bytes: int | None = None
     max_num_seqs: int = 64
     max_prefill_tokens: int = 2048  # the offline LLM's default step budget
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda | cuda:N, checked at start (pdserve.device)
+    # CUDA: the fraction of the device's total memory this worker may use, the KV pool included.
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # CUDA: bytes held back for CUDA graphs when sizing the pool; None: the default estimate.
+    graph_reserve_bytes: int | None = None
     num_threads: int | None = None  # torch intra-op threads of prefill; None: torch's default
     # Threads of decode steps; None: the same as prefill until calibrate_decode_threads() runs.
     decode_threads: int | None = None
@@ -62,6 +94,11 @@ class RunnerConfig:
     # False for a worker that never prefills prompts (the decode role): auto then makes no
     # float32 copies where the bf16 kernel runs (see auto_fp32_min_rows).
     prefills_prompts: bool = True
+    # "auto" | "torch" | "cpp" | "triton" (pdserve.attention.backend): auto picks the C++ kernel
+    # on CPUs, Triton on CUDA, torch where neither runs.
+    attention_backend: str = "auto"
+    # Decode without CUDA graphs (always so on CPU, and with a backend that cannot be captured).
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -69,11 +106,15 @@ class RunnerOutput:
     """One sampled token per input sequence, in input order.
 
     ``logprobs`` is None when no sequence asked for logprobs; otherwise it is aligned with the
-    input and holds None for the sequences that did not ask.
+    input and holds None for the sequences that did not ask. ``kv_ready`` completes once the
+    forward's KV writes are done on the device: what a KV transfer of these pages, or a reuse
+    of pages freed during the step, waits for (see pdserve.kernels.kv_ready).
     """
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
+    kv_ready: KVReady = ALWAYS_READY
+    prompt_logprobs: list[PromptLogprobs | None] | None = None  # prefill, when some asked
 
 
 @dataclass
@@ -91,69 +132,137 @@ class RunnerStats:
     last_step: dict[str, float] = field(default_factory=dict)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Map a dtype name to torch; float16 is CUDA only (CPU half matmuls are very slow)."""
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}")
-    if name == "float16" and device.type == "cpu":
-        raise ValueError("float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
-    return _DTYPES[name]
-
-
 class ModelRunner:
     """Owns the model weights, tokenizer and KV page pool of one engine."""
 
     def __init__(self, config: RunnerConfig) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.device = check_device(config.device, "RunnerConfig.device")
+        if config.num_threads and is_cpu(self.device):
+            torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(config.model_dir)
+        declared = self.model_config.checkpoint_dtype or stored_dtype(config.model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.device, declared)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         mc = self.model_config
-        self.kv_config = self._kv_config(mc)
-        self.max_model_len = self._max_model_len(mc)
-        weights = load_weights(config.model_dir, mc, self.dtype, config.device)
+        # CUDA without an explicit size: a warm-up pool now, the real one once measured.
+        memory = self._memory_to_size_from()
+        self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
+        self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
+        weights = load_weights(config.model_dir, mc, self.dtype, str(self.device))
         self.model = LlamaModel(
-            mc, weights, self.max_model_len, self.dtype, config.device, self._fp32_min_rows()
+            mc, weights, self.max_model_len, self.dtype, str(self.device), self._fp32_min_rows()
         )
-        # The transport registers this tensor with NIXL: it is never reallocated.
-        self.kv_pool = KVPagePool(self.kv_config, device=self.device)
-        self._paged_kv = PagedKV.of(self.kv_pool)
-        # Reused every decode step by the key mask (read only).
-        max_keys = self.max_model_len + self.kv_config.page_size
-        self._key_positions = torch.arange(max_keys, device=self.device)
-        self._zero_mask_row = torch.zeros(max_keys, dtype=self.dtype, device=self.device)
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
+        self.graph_runner: DecodeGraphRunner | None = None
+        self._build_pool()
+        self.kv_sizing: KVSizing | None = None
+        if memory is not None:
+            self._size_pool_from_memory(memory)
+        if self._use_cuda_graphs():
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.attn_backend, config.max_num_seqs, self.max_model_len
+            )
+            self.graph_runner.capture()
         logger.info(
-            "runner ready: %s, %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d",
-            mc.architecture, self.dtype, self.kv_config.num_pages, self.kv_config.page_size,
+            "runner ready: %s, %s on %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d, "
+            "%s attention, %s decode",
+            mc.architecture, self.dtype, self.device, self.kv_config.num_pages,
+            self.kv_config.page_size,
             self.kv_config.num_pages * self.kv_config.page_bytes / 2**20, self.max_model_len,
+            self.attn_backend.name, "graph" if self.graph_runner else "eager",
         )  # fmt: skip
 
-    def _kv_config(self, mc: ModelConfig) -> KVCacheConfig:
+    def _build_pool(self) -> None:
+        """The page pool of ``kv_config`` and the attention backend over it."""
+        # The transport registers this tensor with NIXL: it is never reallocated once serving.
+        self.kv_pool = KVPagePool(self.kv_config, device=self.device)
+        self.attn_backend = create_backend(
+            self.config.attention_backend,
+            AttentionConfig.of(self.model_config, self.max_model_len),
+            self.kv_pool,
+        )
+
+    def _memory_to_size_from(self) -> tuple[DeviceMemory, int] | None:
+        """On CUDA with no explicit pool size: the device's memory and torch's allocation before
+        this runner allocated anything; None where the pool has a fixed size."""
+        c = self.config
+        if is_cpu(self.device) or c.num_pages or c.kv_cache_bytes:
+            return None
+        check_gpu_memory_utilization(c.gpu_memory_utilization, "gpu_memory_utilization")
+        torch.cuda.init()
+        return device_memory(self.device), torch.cuda.memory_allocated(self.device)
+
+    def _size_pool_from_memory(self, memory: tuple[DeviceMemory, int]) -> None:
+        """Measure the warm-up, then replace the warm-up pool by the largest that fits."""
+        info, allocated_at_start = memory
+        c = self.config
+        weights_bytes = torch.cuda.memory_allocated(self.device) - allocated_at_start
+        weights_bytes -= self.kv_pool.storage.numel() * self.kv_pool.storage.element_size()
+        sizing = measure_kv_sizing(
+            self.device, info, weights_bytes, self._warm_up_largest_step,
+            c.gpu_memory_utilization, graph_reserve(c.enforce_eager, c.graph_reserve_bytes),
+            self.kv_config.page_bytes,
+        )  # fmt: skip
+        del self.attn_backend, self.kv_pool
+        torch.cuda.empty_cache()
+        self.kv_config = dataclasses.replace(self.kv_config, num_pages=sizing.num_pages)
+        self.max_model_len = self._max_model_len(self.model_config, self.kv_config)
+        self._build_pool()
+        self.kv_sizing = sizing
+        logger.info("%s: %s", self.device, sizing.describe())
+
+    def _warm_up_largest_step(self) -> None:
+        c, kv = self.config, self.kv_config
+        prefill, sampled = warm_up_sequences(
+            c.max_prefill_tokens, self.max_model_len, c.max_num_seqs, kv.page_size, kv.num_pages
+        )
+        self.prefill_logits(prefill)
+        logits = torch.zeros(len(sampled), self.model_config.vocab_size, device=self.device)
+        self._sample(logits, sampled)
+
+    def _use_cuda_graphs(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.attn_backend.supports_cuda_graph
+        )
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        """Device memory the captured decode graphs hold (0 when decoding eagerly)."""
+        return self.graph_runner.graph_memory_bytes if self.graph_runner else 0
+
+    def _kv_config(self, mc: ModelConfig, is_warm_up: bool = False) -> KVCacheConfig:
         c = self.config
         probe = KVCacheConfig(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, c.page_size, self.dtype
         )
-        num_pages = c.num_pages or c.kv_cache_bytes // probe.page_bytes
+        kv_bytes = c.kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        if is_warm_up:  # enough pages for the warm-up's prefill (see _size_pool_from_memory)
+            num_pages = probe.pages_for(c.max_prefill_tokens) + max(c.max_num_seqs, 1)
+        else:
+            num_pages = c.num_pages or kv_bytes // probe.page_bytes
         if num_pages < 1:
-            raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} is less than one KV page")
+            raise ValueError(f"kv_cache_bytes={kv_bytes} is less than one KV page")
         return KVCacheConfig(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, num_pages, c.page_size, self.dtype
         )
 
     def _fp32_min_rows(self) -> int | None:
+        if not is_cpu(self.device):
+            return None  # float32 weight copies are a CPU GEMM workaround: never on CUDA
         rows = self.config.fp32_matmul_min_rows
         if rows is None:
             return auto_fp32_min_rows(self.device, self.dtype, self.config.prefills_prompts)
         return rows or None
 
-    def _max_model_len(self, mc: ModelConfig) -> int:
-        limit = min(mc.max_position_embeddings, self.kv_config.num_pages * self.kv_config.page_size)
+    def _max_model_len(self, mc: ModelConfig, kv: KVCacheConfig | None) -> int:
+        """The configured length (or the model's), capped by positions and ``kv``'s capacity."""
+        capacity = kv.num_pages * kv.page_size if kv is not None else mc.max_position_embeddings
+        limit = min(mc.max_position_embeddings, capacity)
         wanted = self.config.max_model_len or mc.max_position_embeddings
         if wanted > limit:
             logger.warning("max_model_len %d capped to %d (positions / KV capacity)", wanted, limit)
@@ -166,15 +275,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._check_seqs(seqs, is_decode=False)
         self._use_threads(self.prefill_threads)
-        input_ids, batch, last_rows = self._prefill_batch(seqs)
+        batch, last_rows = self._extend_batch(seqs)
         t1 = time.perf_counter()
-        hidden = self.model.forward(input_ids, batch, self._paged_kv)
+        hidden = self._forward(batch)
+        kv_ready = record_kv_ready(self.device)  # the room's pages are written before this
         logits = self.model.logits(hidden[last_rows])
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
+        out.kv_ready = kv_ready
+        if any(wants_prompt_logprobs(s) for s in seqs):
+            with torch.inference_mode():
+                out.prompt_logprobs = prompt_logprobs_for(
+                    self.model.logits, hidden, batch.prefill_seqs, seqs
+                )
         st = self.stats
         st.num_prefill_calls += 1
-        st.num_prefill_tokens += input_ids.shape[0]
+        st.num_prefill_tokens += batch.input_ids.shape[0]
         st.prefill_seconds += self._record(t0, t1, t2)
         return out
 
@@ -183,11 +299,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._check_seqs(seqs, is_decode=True)
         self._use_threads(self.decode_threads)
-        input_ids, batch = self._decode_batch(seqs)
-        t1 = time.perf_counter()
-        logits = self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
+        t1, hidden = self._decode_hidden(seqs)
+        logits = self.model.logits(hidden)
+        kv_ready = record_kv_ready(self.device)
         t2 = time.perf_counter()
         out = self._sample(logits, seqs)
+        out.kv_ready = kv_ready
         st = self.stats
         st.num_decode_steps += 1
         st.num_decode_tokens += len(seqs)
@@ -200,11 +317,11 @@ class ModelRunner:
         self.stats.last_step = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
         return t3 - t0
 
-    @staticmethod
-    def _use_threads(num_threads: int) -> None:
+    def _use_threads(self, num_threads: int) -> None:
         # Per phase, from the thread that runs the forward (torch's OpenMP thread count is per
         # calling thread once set); read back each time, as other runners may share the process.
-        if torch.get_num_threads() != num_threads:
+        # On CUDA the host threads only launch kernels: leave torch's setting alone.
+        if is_cpu(self.device) and torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
 
     def calibrate_decode_threads(self, seqs: list[Sequence]) -> ThreadChoice:
@@ -233,16 +350,14 @@ class ModelRunner:
         """Float32 logits ``(B, vocab)`` at each sequence's last token; writes K/V of new tokens."""
         self._check_seqs(seqs, is_decode=False)
         self._use_threads(self.prefill_threads)
-        input_ids, batch, last_rows = self._prefill_batch(seqs)
-        hidden = self.model.forward(input_ids, batch, self._paged_kv)
-        return self.model.logits(hidden[last_rows])
+        batch, last_rows = self._extend_batch(seqs)
+        return self.model.logits(self._forward(batch)[last_rows])
 
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` after each sequence's last token; writes its K/V."""
         self._check_seqs(seqs, is_decode=True)
         self._use_threads(self.decode_threads)
-        input_ids, batch = self._decode_batch(seqs)
-        return self.model.logits(self.model.forward(input_ids, batch, self._paged_kv))
+        return self.model.logits(self._decode_hidden(seqs)[1])
 
     # ----- batch construction -------------------------------------------------------------
 
@@ -261,114 +376,54 @@ class ModelRunner:
                     f"(cached {s.num_cached_tokens} of {s.num_tokens})"
                 )
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def _extend_batch(self, seqs: list[Sequence]) -> tuple[ForwardBatch, torch.Tensor]:
+        return extend_batch(seqs, self.kv_config.page_size, self.kv_pool.scratch_page, self.device)
 
-    def _prefill_batch(
-        self, seqs: list[Sequence]
-    ) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
-        page_size = self.kv_config.page_size
-        new_ids: list[int] = []
-        metas: list[PrefillSeqMeta] = []
-        for s in seqs:
-            metas.append(
-                PrefillSeqMeta(
-                    q_start=len(new_ids),
-                    num_new=s.num_tokens - s.num_cached_tokens,
-                    num_cached=s.num_cached_tokens,
-                    page_ids=self._tensor(s.page_ids[: -(-s.num_tokens // page_size)]),
-                )
-            )
-            new_ids.extend(s.token_ids[s.num_cached_tokens :])
-        num_new = self._tensor([m.num_new for m in metas])
-        starts = self._tensor([m.q_start for m in metas])
-        cached = self._tensor([m.num_cached for m in metas])
-        # position of packed row r of sequence i: r - start_i + cached_i
-        row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), num_new)
-        positions = torch.arange(len(new_ids), device=self.device) - (starts - cached)[row_seq]
-        pages = torch.cat([m.page_ids for m in metas])
-        first_page = torch.cumsum(torch.tensor([0] + [len(m.page_ids) for m in metas[:-1]]), 0)
-        page_idx = pages[first_page.to(self.device)[row_seq] + positions // page_size]
-        batch = ForwardBatch(
-            positions=positions,
-            page_idx=page_idx,
-            page_offset=positions % page_size,
-            prefill_seqs=metas,
-        )
-        last_rows = starts + num_new - 1
-        return self._tensor(new_ids), batch, last_rows
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model.forward(batch, self.attn_backend)
 
-    def _decode_batch(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ForwardBatch]:
-        page_size = self.kv_config.page_size
-        num_seqs = len(seqs)
-        lens = [s.num_tokens for s in seqs]
-        max_pages = -(-max(lens) // page_size)
-        # Everything the step needs in one Python list -> one tensor, sliced into views: the
-        # per-token values are a handful of ints per sequence, cheaper in Python than as a
-        # chain of small torch ops. Padding entries point at page 0; the key mask hides them.
-        flat = [s.token_ids[-1] for s in seqs] + lens
-        flat += [s.page_ids[(n - 1) // page_size] for s, n in zip(seqs, lens, strict=True)]
-        flat += [(n - 1) % page_size for n in lens]
-        for s in seqs:
-            pages = s.page_ids[:max_pages]
-            flat += pages
-            flat += [0] * (max_pages - len(pages))
-        data = self._tensor(flat)
-        input_ids, context_lens, page_idx, page_offset = data[: 4 * num_seqs].view(4, num_seqs)
-        batch = ForwardBatch(
-            positions=context_lens - 1,
-            page_idx=page_idx,
-            page_offset=page_offset,
-            block_table=data[4 * num_seqs :].view(num_seqs, max_pages),
-            context_lens=context_lens,
-            # The C++ decode kernel reads context_lens itself: no mask to build.
-            key_mask=None
-            if self.model.decode_kernel is not None
-            else self._key_mask(seqs, context_lens, max_pages * page_size),
-        )
-        return input_ids, batch
-
-    def _key_mask(
-        self, seqs: list[Sequence], context_lens: torch.Tensor, max_len: int
-    ) -> torch.Tensor | None:
-        window = self.model_config.sliding_window
-        is_windowed = window is not None and max_len > window
-        if not is_windowed and all(s.num_tokens == max_len for s in seqs):
-            return None  # every key of every sequence is visible: no mask at all
-        if is_windowed:
-            return additive_mask(decode_key_mask(context_lens, max_len, window), self.dtype)
-        # Additive mask in one pass: 0 where key position < length, -inf from it on.
-        is_hidden = self._key_positions[:max_len] >= context_lens.unsqueeze(1)
-        return self._zero_mask_row[:max_len].masked_fill(is_hidden, float("-inf"))
+    def _decode_hidden(self, seqs: list[Sequence]) -> tuple[float, torch.Tensor]:
+        """The decode step's hidden states ``(B, hidden)`` (from a graph replay where captured),
+        and when the batch was built (the end of the step's prepare phase)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
+            return self.graph_runner.run(seqs)
+        batch = decode_batch(seqs, self.kv_config.page_size, self.kv_pool.scratch_page, self.device)
+        t1 = time.perf_counter()
+        return t1, self._forward(batch)
 
     # ----- sampling -----------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> RunnerOutput:
+        processing = logits_processing_for(seqs, self.tokenizer.eos_token_ids, self.device)
+        if processing is not None:  # logit_bias, min_tokens, grammar masks: before any choice
+            with torch.inference_mode():  # the logits are inference tensors: edit them there
+                logits = processing.apply(logits)
+        # One host copy of the step's results (pdserve.kernels.host_copy); on CUDA nothing in
+        # the step reads a device tensor before it, and waiting on it also means the forward
+        # that wrote the step's K/V has run (the copy follows it on the stream).
         if is_plain_greedy(seqs):
             # The common case needs no per-row parameters: skip building them.
-            return RunnerOutput(token_ids=argmax_rows(logits).tolist())
+            ids = argmax_rows(logits)
+            return RunnerOutput(token_ids=PendingHostSample(SamplerOutput(ids)).wait().token_ids)
         tensors = sampling_tensors_for(seqs, self.device)
         with torch.inference_mode():
-            result = sample(logits, tensors)
-        token_ids = result.token_ids.tolist()
+            host = PendingHostSample(sample(logits, tensors)).wait()
         if not tensors.need_logprobs:
-            return RunnerOutput(token_ids=token_ids)
-        return RunnerOutput(token_ids, _token_logprobs(result, token_ids, seqs))
+            return RunnerOutput(token_ids=host.token_ids)
+        return RunnerOutput(host.token_ids, _token_logprobs(host, seqs))
 
 
-def _token_logprobs(
-    result: SamplerOutput, token_ids: list[int], seqs: list[Sequence]
-) -> list[TokenLogprob | None]:
-    assert result.logprobs is not None
-    chosen = result.logprobs.tolist()
-    top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-    top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+def _token_logprobs(host: HostSample, seqs: list[Sequence]) -> list[TokenLogprob | None]:
+    assert host.logprobs is not None
     out: list[TokenLogprob | None] = []
     for i, s in enumerate(seqs):
         if not s.sampling.logprobs:
             out.append(None)
             continue
         n = s.sampling.top_logprobs
-        top = tuple(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if top_ids and top_lps else ()
-        out.append(TokenLogprob(token_id=token_ids[i], logprob=chosen[i], top=top))
+        top = ()
+        if host.top_ids is not None and host.top_logprobs is not None:
+            top = tuple(zip(host.top_ids[i][:n], host.top_logprobs[i][:n], strict=True))
+        out.append(TokenLogprob(token_id=host.token_ids[i], logprob=host.logprobs[i], top=top))
     return out

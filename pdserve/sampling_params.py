@@ -11,6 +11,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0  # keep tokens with p >= min_p * max p (after temperature); 0 disables
     seed: int | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -18,8 +19,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are impossible before this many tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many top
 
     @property
     def is_greedy(self) -> bool:

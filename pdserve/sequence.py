@@ -7,8 +7,12 @@ event loop; the runner only reads it (and the scheduler applies the runner's res
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.grammar.matcher import GrammarMatcher
 
 
 @dataclass(slots=True, eq=False)
@@ -19,6 +23,8 @@ class Sequence:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     page_ids: list[int] = field(default_factory=list)  # KV pages, in token order
     num_cached_tokens: int = 0  # tokens whose K/V are already written into page_ids
+    # Structured output: the runner masks each step by it, the engine advances it per token.
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,24 @@
 """A pdserve worker server of any role, for the CLI and for Python embedding.
 
-async with Server(ServerConfig(role="colocated", model_dir=...)) as server:
-    async for out in server.generate("Hello", max_tokens=8):
-        print(out.text, end="")
+```python
+import asyncio
+
+from pdserve.model_runner import RunnerConfig
+from pdserve.server import Server, ServerConfig
+
+model_dir = "/path/to/model"  # any local HF model directory
+
+
+async def main() -> None:
+    # A colocated worker (EngineConfig's default role), without HTTP: generate() in-process.
+    config = ServerConfig(runner=RunnerConfig(model_dir=model_dir), serve_http=False)
+    async with Server(config) as server:
+        async for delta in server.generate("Hello", max_tokens=16, temperature=0):
+            print(delta.text, end="", flush=True)
+
+
+asyncio.run(main())
+```
 """
 
 from __future__ import annotations
@@ -24,10 +40,11 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.protocol import GenerateOutput, GenerateRequest
 from pdserve.engine.runner_thread import RunnerThread
-from pdserve.metrics import EngineCollector, PrometheusObserver
+from pdserve.metrics import EngineCollector, PrometheusObserver, TransferMetrics
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.transport import KVReceiver, KVSender, TransportConfig
+from pdserve.transport.layout import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +115,15 @@ class Server:
             self._http, self.port = await start_http(app, cfg.host, cfg.port)
             logger.info("%s server ready at %s", cfg.role, self.url)
 
-    def _transport_config(self) -> TransportConfig:
+    def _transport_config(self, runner: ModelRunner) -> TransportConfig:
         tc = self.config.transport or TransportConfig(engine_id=self.config.engine.engine_id)
-        return replace(tc, incarnation=self.incarnation)
+        # The identity a peer must share: checked at registration with the page layout.
+        return replace(
+            tc,
+            incarnation=self.incarnation,
+            model_name=self.config.engine.model_name,
+            model_fingerprint=model_fingerprint(runner.model_config),
+        )
 
     async def _start_transport(self, engine: Engine, runner: ModelRunner) -> None:
         # Pages a transport releases (room final, fence lifted) go back to the engine's allocator.
@@ -109,11 +132,12 @@ class Server:
 
         role = self.config.role
         if role == "prefill":
-            self.sender = KVSender(self._transport_config(), runner.kv_pool, release)
+            metrics = TransferMetrics(role, self.registry)
+            self.sender = KVSender(self._transport_config(runner), runner.kv_pool, release, metrics)
             await self.sender.start()
             engine.attach_handoff(PrefillHandoff(engine, self.sender), self.sender.bootstrap_port)
         elif role == "decode":
-            self.receiver = KVReceiver(self._transport_config(), runner.kv_pool, release)
+            self.receiver = KVReceiver(self._transport_config(runner), runner.kv_pool, release)
             await self.receiver.start()
             engine.attach_handoff(DecodeHandoff(engine, self.receiver))
 

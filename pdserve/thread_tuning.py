@@ -27,6 +27,20 @@ CALIBRATION_CONTEXT = 64  # tokens per calibration sequence
 NUM_TRIALS = 5
 
 
+def should_calibrate(
+    role: str, device_type: str, configured_threads: int | None, prefill_threads: int
+) -> bool:
+    """Whether a worker times its decode threads at start-up: only CPU workers that decode,
+    were given no count and have more than one thread to choose from (on CUDA the host
+    threads only launch kernels)."""
+    return (
+        device_type == "cpu"
+        and role != "prefill"
+        and configured_threads is None
+        and prefill_threads > 1
+    )
+
+
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int

@@ -97,3 +97,14 @@ def test_agenerate_is_awaitable_from_another_event_loop(runner: ModelRunner) -> 
         sync = llm.generate([[5, 6, 7], [8, 9]], sampling)
         together = asyncio.run(llm.agenerate([[5, 6, 7], [8, 9]], sampling))
     assert [r.token_ids for r in together] == [r.token_ids for r in sync]
+
+
+def test_generate_takes_the_same_device_flags_as_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.generate import _parse_args  # noqa: PLC0415
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    args = _parse_args(["--prompt", "x", "--device", "cuda:1", "--gpu-memory-utilization", "0.3"])
+    assert (args.device, args.gpu_memory_utilization, args.kv_cache_mb) == ("cuda:1", 0.3, None)
+    with pytest.raises(SystemExit):
+        _parse_args(["--prompt", "x", "--device", "cuda:2"])  # no such device

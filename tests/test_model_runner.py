@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from pdserve.engine.protocol import TokenLogprob
+from pdserve.model.config import ModelDirError
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
-from tests.model.checkpoints import load_reference, write_checkpoint
+from tests.model.checkpoints import convert_checkpoint, load_reference, write_checkpoint
 
 PAGE_SIZE = 4
 
@@ -24,10 +25,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runner(checkpoint: Path) -> ModelRunner:
-    return ModelRunner(
-        RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=128)
-    )
+def runners() -> dict[str, ModelRunner]:
+    return {}  # one runner per device, built on first use
+
+
+@pytest.fixture
+def runner(runners: dict[str, ModelRunner], checkpoint: Path, device: str) -> ModelRunner:
+    if device not in runners:
+        runners[device] = ModelRunner(
+            RunnerConfig(
+                str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=128, device=device
+            )
+        )
+    return runners[device]
 
 
 class PageBook:
@@ -99,6 +109,32 @@ def test_prefill_after_cached_prefix_equals_full_prefill(runner: ModelRunner) ->
     other = PageBook().seq("other", _prompt(5, seed=8))
     other.page_ids = [p + 60 for p in other.page_ids]
     got = runner.prefill_logits([other, rest])
+    torch.testing.assert_close(got[1:], expected, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_decode_rows_in_a_prefill_batch_get_their_decode_logits(
+    checkpoint: Path, backend: str
+) -> None:
+    """A mixed step (chunked prefill): decode rows ride the extend path as one-token rows over
+    their cached context, after a prompt chunk; each backend's extend must give them what its
+    decode step gives."""
+    try:
+        runner = ModelRunner(
+            RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=64,
+                         attention_backend=backend)
+        )  # fmt: skip
+    except ValueError as e:  # the C++ kernel did not build here; Triton's interpreter is off
+        pytest.skip(str(e))
+    book = PageBook()
+    rows = [book.seq(f"d{i}", _prompt(5 + 4 * i, seed=20 + i)) for i in range(2)]
+    for row in rows:
+        row.token_ids.append(int(runner.prefill_logits([row])[0].argmax()))
+        row.num_cached_tokens = row.num_tokens - 1
+    expected = runner.decode_logits(rows)
+    long = _prompt(11, seed=30)
+    chunk = Sequence("chunk", long[:8], 8, page_ids=book.seq("c", long).page_ids)
+    got = runner.prefill_logits([chunk, *rows])
     torch.testing.assert_close(got[1:], expected, atol=2e-4, rtol=1e-4)
 
 
@@ -233,3 +269,128 @@ def test_a_decode_only_runner_makes_no_float32_weight_copies(checkpoint: Path) -
     book = PageBook()
     tokens = [r.prefill([book.seq("a", [5, 6, 7, 8, 9])]).token_ids for r in (both, decode_only)]
     assert tokens[0] == tokens[1]
+
+
+def test_a_float32_checkpoint_runs_in_float32_by_default(
+    checkpoint: Path, runner: ModelRunner
+) -> None:
+    auto = ModelRunner(RunnerConfig(str(checkpoint), page_size=PAGE_SIZE, num_pages=32))
+    assert auto.config.dtype == "auto"
+    assert auto.dtype == auto.kv_pool.kv.dtype == auto.model.weights.embed.dtype == torch.float32
+    prompt = [1, 5, 9, 2, 7]
+    seqs = [Sequence("a", list(prompt), len(prompt), SamplingParams(), [0, 1])]
+    logits = auto.prefill_logits(seqs)
+    seqs = [Sequence("b", list(prompt), len(prompt), SamplingParams(), [0, 1])]
+    assert torch.equal(logits, runner.prefill_logits(seqs))  # same as an explicit float32 run
+
+
+@pytest.mark.parametrize(
+    ("stored", "declared", "expected"),
+    [
+        (torch.bfloat16, "bfloat16", torch.bfloat16),
+        (torch.float16, "float16", torch.bfloat16),  # CPU: no fast float16
+        (torch.bfloat16, None, torch.bfloat16),  # no declaration: the stored dtype
+        (torch.float32, None, torch.float32),
+    ],
+)
+def test_auto_follows_the_checkpoint(
+    checkpoint: Path, tmp_path: Path, stored: torch.dtype, declared: str | None,
+    expected: torch.dtype,
+) -> None:  # fmt: skip
+    converted = convert_checkpoint(checkpoint, tmp_path / "c", stored, declared)
+    auto = ModelRunner(RunnerConfig(str(converted), page_size=PAGE_SIZE, num_pages=8))
+    assert auto.dtype == expected
+
+
+def test_a_quantized_checkpoint_is_refused_before_any_weight_loads(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    fp8 = convert_checkpoint(checkpoint, tmp_path / "q", torch.float32, "float32",
+                             quantization_config=quant)  # fmt: skip
+    with pytest.raises(ModelDirError, match="quantized .*'fp8'"):
+        ModelRunner(RunnerConfig(str(fp8), num_pages=8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_runner_without_a_gpu_is_refused_naming_the_field(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match=r"RunnerConfig\.device='cuda:0': CUDA is not available"):
+        ModelRunner(RunnerConfig(str(checkpoint), device="cuda:0"))
+
+
+def test_cpu_pool_defaults_to_512_mib_and_an_explicit_page_count_wins(checkpoint: Path) -> None:
+    cfg = RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE)
+    default = ModelRunner(cfg)
+    assert default.kv_config.num_pages == (512 << 20) // default.kv_config.page_bytes
+    assert default.kv_sizing is None  # sized from memory on CUDA only
+    explicit = ModelRunner(dataclasses.replace(cfg, num_pages=10, kv_cache_bytes=1 << 30))
+    assert explicit.kv_config.num_pages == 10
+
+
+class FakeCudaMemory:
+    """torch.cuda's memory readings for a runner taking its CUDA sizing path on CPU tensors:
+    the weights count 1 GiB, the warm-up peaks 256 MiB above its base, libraries take 128 MiB."""
+
+    TOTAL = 4 << 30
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.allocated = 0
+        self.other = 0
+        self.warm_ups = 0
+        cuda = torch.cuda
+        for name in ("init", "synchronize", "reset_peak_memory_stats", "empty_cache"):
+            monkeypatch.setattr(cuda, name, lambda *a, **k: None)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda *a: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda *a: self.allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: self.allocated + (256 << 20))
+        monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (self.free, self.TOTAL))
+
+    @property
+    def free(self) -> int:
+        return self.TOTAL - self.allocated - self.other
+
+
+def test_the_cuda_sizing_path_fills_the_share_and_serves_the_same_tokens(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pdserve.model_runner as model_runner  # noqa: PLC0415
+
+    cfg = RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, max_num_seqs=4,
+                       max_prefill_tokens=64, gpu_memory_utilization=0.5,
+                       enforce_eager=True)  # fmt: skip
+    reference = ModelRunner(dataclasses.replace(cfg, num_pages=128))
+    fake = FakeCudaMemory(monkeypatch)
+    monkeypatch.setattr(model_runner, "is_cpu", lambda device: False)  # take the CUDA branches
+    loaded = model_runner.load_weights
+
+    def load_weights(*args: object, **kwargs: object) -> object:
+        fake.allocated += 1 << 30
+        return loaded(*args, **kwargs)
+
+    def warm_up(self: ModelRunner) -> None:
+        fake.warm_ups += 1
+        fake.other = 128 << 20
+        original_warm_up(self)
+
+    original_warm_up = ModelRunner._warm_up_largest_step
+    monkeypatch.setattr(model_runner, "load_weights", load_weights)
+    monkeypatch.setattr(ModelRunner, "_warm_up_largest_step", warm_up)
+    # The warm-up pool's bytes are counted as allocated once it exists.
+    pool_cls = model_runner.KVPagePool
+
+    def pool(config, device="cpu", hugepages=True):  # noqa: ANN001, ANN202
+        fake.allocated += (config.num_pages + 1) * config.page_bytes  # + the scratch page
+        return pool_cls(config, device, hugepages)
+
+    monkeypatch.setattr(model_runner, "KVPagePool", pool)
+    sized = ModelRunner(cfg)
+    monkeypatch.undo()
+
+    expected = ((2 << 30) - (1 << 30) - (256 << 20) - (128 << 20)) // sized.kv_config.page_bytes
+    assert fake.warm_ups == 1
+    assert sized.kv_sizing is not None and sized.kv_sizing.num_pages == expected
+    assert sized.kv_config.num_pages == expected == sized.kv_pool.kv.shape[0]
+    assert sized.max_model_len == min(256, expected * PAGE_SIZE)
+    prompt = _prompt(7, seed=3)
+    book = PageBook()
+    assert _run(sized, [book.seq("s", prompt)], 6) == _run(reference, [book.seq("r", prompt)], 6)

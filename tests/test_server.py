@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from prometheus_client import generate_latest
 
 from pdserve import server as server_module
 from pdserve.engine.config import EngineConfig
+from pdserve.model.config import ModelDirError
 from pdserve.model.demo import write_demo_model
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.server import Server, ServerConfig
@@ -158,3 +162,45 @@ async def test_two_servers_sharing_a_cpu_lease_take_turns_and_report_it(
     assert values["pdserve_cpu_lease_timeouts_total"] == 0
     assert a.engine is not None and a.engine.cpu_lease is not None
     assert a.engine.cpu_lease.stats.acquired > 8  # load, warm-up and every step held it
+
+
+PLACEHOLDER = '"/path/to/model"'
+
+
+def python_blocks(text: str) -> list[str]:
+    """The fenced ```python blocks of a docstring or a markdown file."""
+    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+def embedding_examples() -> dict[str, str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Embedding in Python", 1)[1].split("\n## ", 1)[0]
+    return {
+        "pdserve/server.py": python_blocks(server_module.__doc__ or "")[0],
+        "README.md": python_blocks(section)[0],
+    }
+
+
+@pytest.mark.parametrize("where", ["pdserve/server.py", "README.md"])
+def test_the_embedding_example_runs_as_written(
+    demo_dir: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    code = embedding_examples()[where]
+    assert code.count(PLACEHOLDER) == 1, "the example names its model dir once"
+    exec(compile(code.replace(PLACEHOLDER, repr(str(demo_dir))), where, "exec"), {})  # noqa: S102
+    printed = capsys.readouterr().out
+    assert printed  # greedy on the demo model: 16 tokens of (meaningless) text
+
+
+async def test_a_quantized_checkpoint_fails_the_start_naming_its_method(
+    demo_dir: Path, tmp_path: Path
+) -> None:
+    quantized = Path(shutil.copytree(demo_dir, tmp_path / "fp8"))
+    hf = json.loads((quantized / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (quantized / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(
+        ModelDirError, match=r"quantized \(quantization_config.quant_method 'fp8'\)"
+    ):
+        await Server(config(quantized)).start()
+    assert not [t for t in threading.enumerate() if t.name == "pdserve-runner"]  # no leak

@@ -7,8 +7,9 @@ import time
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from pdserve.api import admin, openai
+from pdserve.api import admin, openai, tokenize
 from pdserve.api.config import ApiConfig
+from pdserve.api.grammar_service import GrammarService
 from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
 from pdserve.api.middleware import auth_middleware, error_middleware, metrics_middleware
@@ -35,9 +36,12 @@ def build_app(
         metrics=metrics,
         token_texts=TokenTexts(engine.tokenizer),
         created=int(time.time()),
+        grammars=GrammarService(engine.tokenizer),
     )
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/v1/models", openai.list_models, allow_head=False)
     app.router.add_get("/v1/models/{model}", openai.retrieve_model, allow_head=False)
     app.router.add_get("/health", admin.health)

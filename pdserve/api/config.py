@@ -29,3 +29,6 @@ class ApiConfig:
     write_timeout_s: float = 30.0  # a client that stops reading its stream counts as gone
     abort_timeout_s: float = 5.0  # bound on engine.abort() during cleanup
     max_inline_tokenize_chars: int = 32_768  # longer prompts are tokenized off the event loop
+    max_grammar_chars: int = 65_536  # a JSON schema / regex / grammar / choice list, as text
+    max_logit_bias: int = 300  # entries in logit_bias (OpenAI's limit)
+    max_tools: int = 128

@@ -13,10 +13,21 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.api.errors import unrecognized_argument, unsupported
+from pdserve.api.structured import GUIDED_FIELDS, GUIDED_IGNORED
 
 # Extensions beyond OpenAI that vLLM-style clients and the router send.
 _EXTENSIONS = frozenset(
-    {"top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "kv_transfer_params"}
+    {
+        "top_k",
+        "min_p",
+        "min_tokens",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "kv_transfer_params",
+        "structured_outputs",
+        *GUIDED_FIELDS,
+    }
 )
 _COMMON = frozenset(
     {
@@ -32,10 +43,26 @@ _COMMON = frozenset(
         "logprobs",
         "presence_penalty",
         "frequency_penalty",
+        "logit_bias",
+        "response_format",
     }
 )
-CHAT_SUPPORTED = _COMMON | _EXTENSIONS | {"messages", "max_completion_tokens", "top_logprobs"}
-COMPLETION_SUPPORTED = _COMMON | _EXTENSIONS | {"prompt"}
+CHAT_SUPPORTED = (
+    _COMMON
+    | _EXTENSIONS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+        "continue_final_message",
+        "add_generation_prompt",
+    }
+)
+COMPLETION_SUPPORTED = _COMMON | _EXTENSIONS | {"prompt", "echo"}
 
 CHAT_IGNORED = frozenset(
     {
@@ -43,12 +70,12 @@ CHAT_IGNORED = frozenset(
         "store",
         "metadata",
         "service_tier",
-        "parallel_tool_calls",  # harmless: non-empty tools are refused below
         "prompt_cache_key",
         "safety_identifier",
     }
 )
-COMPLETION_IGNORED = frozenset({"user"})
+CHAT_IGNORED |= GUIDED_IGNORED
+COMPLETION_IGNORED = frozenset({"user"}) | GUIDED_IGNORED
 
 
 def _is_empty(value: Any) -> bool:
@@ -59,15 +86,11 @@ def _is_empty(value: Any) -> bool:
 Rule = tuple[Callable[[Any], bool], str]
 
 CHAT_CONDITIONAL: dict[str, Rule] = {
-    "tools": (_is_empty, "tool calling is not available"),
-    "tool_choice": (lambda v: v in (None, "none"), "only 'none' is accepted"),
-    "functions": (_is_empty, "function calling is not available"),
-    "function_call": (lambda v: v in (None, "none"), "only 'none' is accepted"),
-    "response_format": (
-        lambda v: v is None or v == {"type": "text"},
-        "only {'type': 'text'} is accepted",
+    "functions": (_is_empty, "the deprecated 'functions' field is not available; use 'tools'"),
+    "function_call": (
+        lambda v: v in (None, "none"),
+        "the deprecated 'function_call' field is not available; use 'tool_choice'",
     ),
-    "logit_bias": (_is_empty, "logit_bias must be empty"),
     "modalities": (lambda v: v is None or v == ["text"], "only ['text'] is accepted"),
     "audio": (lambda v: v is None, "audio output is not available"),
     "prediction": (lambda v: v is None, "predicted outputs are not available"),
@@ -76,13 +99,11 @@ CHAT_CONDITIONAL: dict[str, Rule] = {
     "verbosity": (lambda v: v is None, "this model has no verbosity setting"),
 }
 COMPLETION_CONDITIONAL: dict[str, Rule] = {
-    "echo": (lambda v: v is None or v is False, "only echo=false is accepted"),
     "best_of": (
         lambda v: v is None or (v == 1 and not isinstance(v, bool)),
         "only best_of=1 is accepted",
     ),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not available"),
-    "logit_bias": (_is_empty, "logit_bias must be empty"),
 }
 
 

@@ -53,19 +53,28 @@ def _chat_token(token_id: int, logprob: float, texts: TokenTexts) -> dict[str, A
 
 
 def completion_logprobs(
-    entries: list[TokenLogprob], texts: TokenTexts, text_offset: int
+    entries: list[TokenLogprob | None],
+    texts: TokenTexts,
+    text_offset: int,
+    token_ids: list[int] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """Legacy ``{tokens, token_logprobs, top_logprobs, text_offset}`` and the next offset.
 
     ``text_offset`` is each token's character offset in the choice's text, carried across
-    streamed chunks by the caller.
+    streamed chunks by the caller. A None entry (the first prompt token under ``echo``, which
+    nothing predicts) has null logprobs; ``token_ids`` then names the tokens.
     """
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    for entry in entries:
-        text = texts.text(entry.token_id)
+    for i, entry in enumerate(entries):
+        token_id = entry.token_id if entry is not None else token_ids[i]  # type: ignore[index]
+        text = texts.text(token_id)
         tokens.append(text)
-        token_logprobs.append(clamp_logprob(entry.logprob))
-        tops.append({texts.text(tid): clamp_logprob(lp) for tid, lp in entry.top})
+        if entry is None:
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            token_logprobs.append(clamp_logprob(entry.logprob))
+            tops.append({texts.text(tid): clamp_logprob(lp) for tid, lp in entry.top})
         offsets.append(text_offset)
         text_offset += len(text)
     block = {

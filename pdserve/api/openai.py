@@ -8,8 +8,8 @@ import orjson
 from aiohttp import web
 
 from pdserve.api.body import read_json_object
-from pdserve.api.errors import model_not_found
-from pdserve.api.prepare import prepare_chat, prepare_completion
+from pdserve.api.errors import model_not_found, unsupported
+from pdserve.api.prepare import PreparedRequest, prepare_chat, prepare_completion
 from pdserve.api.protocol import (
     parse_chat_request,
     parse_completion_request,
@@ -35,9 +35,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prepared = await prepare_chat(
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
-    return await serve_prepared(
-        request, ctx, prepared, ChatResponseBuilder(prepared, ctx.token_texts)
-    )
+    await _attach_grammars(ctx, prepared)
+    builder = ChatResponseBuilder(prepared, ctx.token_texts, parsed.tools)
+    return await serve_prepared(request, ctx, prepared, builder)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -47,11 +47,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid = resolve_request_id(request.headers.get("X-Request-Id"), "cmpl")
     engine = ctx.engine
     parsed = parse_completion_request(body, ctx.config, engine.tokenizer.vocab_size)
+    options = parsed.options
+    if options.echo and options.logprobs and engine.info.role != "colocated":
+        # The prompt's logits exist where it is prefilled; the decode leg answers the client.
+        raise unsupported("echo", "echo with logprobs needs a colocated worker")
     prepared = await prepare_completion(
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
+    await _attach_grammars(ctx, prepared)
     builder = CompletionResponseBuilder(prepared, ctx.token_texts)
     return await serve_prepared(request, ctx, prepared, builder)
+
+
+async def _attach_grammars(ctx: ApiContext, prepared: PreparedRequest) -> None:
+    # Each choice advances its own matcher; the compile is shared (and cached).
+    constraint = prepared.options.constraint
+    if constraint is None:
+        return
+    matchers = await ctx.grammars.matchers(constraint, prepared.num_choices)
+    for req, matcher in zip(prepared.engine_requests, matchers, strict=True):
+        req.grammar = matcher
 
 
 def _model_card(ctx: ApiContext) -> dict[str, Any]:

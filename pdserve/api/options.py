@@ -8,6 +8,7 @@ from typing import Any
 
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import bad_request, unrecognized_argument
+from pdserve.api.structured import Constraint, parse_constraint
 from pdserve.api.validation import (
     as_bool,
     as_float,
@@ -34,6 +35,7 @@ class RequestOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -41,6 +43,10 @@ class RequestOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    constraint: Constraint | None = None  # structured output
+    echo: bool = False  # completions: the prompt text (and logprobs) before the completion
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
@@ -55,6 +61,7 @@ class RequestOptions:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=None if self.seed is None else self.seed + choice_index,
             repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -62,8 +69,11 @@ class RequestOptions:
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
+            prompt_logprobs=self.top_logprobs if self.echo and self.logprobs else None,
         )
 
 
@@ -81,6 +91,7 @@ def parse_options(
         temperature=as_float(optional(body, "temperature", 1.0), "temperature", 0.0, 2.0),
         top_p=as_float(optional(body, "top_p", 1.0), "top_p", 0.0, 1.0, min_exclusive=True),
         top_k=as_int(optional(body, "top_k", 0), "top_k", min_value=-1),
+        min_p=as_float(optional(body, "min_p", 0.0), "min_p", 0.0, 1.0),
         seed=_parse_seed(body),
         stop=parse_stop(body.get("stop"), config),
         stop_token_ids=_parse_stop_token_ids(body.get("stop_token_ids"), config, vocab_size),
@@ -90,14 +101,23 @@ def parse_options(
             optional(body, "repetition_penalty", 1.0), "repetition_penalty", 0.0, 2.0, True
         ),
         ignore_eos=as_bool(optional(body, "ignore_eos", False), "ignore_eos"),
+        min_tokens=as_int(optional(body, "min_tokens", 0), "min_tokens", 0),
+        logit_bias=_parse_logit_bias(body.get("logit_bias"), config, vocab_size),
+        constraint=parse_constraint(body, config.max_grammar_chars),
         n=as_int(optional(body, "n", 1), "n", 1, config.max_n),
         kv_transfer=parse_kv_transfer(body.get("kv_transfer_params")),
     )
+    if opts.max_tokens is not None and opts.min_tokens > opts.max_tokens:
+        raise bad_request(
+            f"'min_tokens' ({opts.min_tokens}) must be <= 'max_tokens' ({opts.max_tokens}).",
+            param="min_tokens",
+        )
     _parse_stream(body, opts)
     if is_chat:
         _parse_chat_logprobs(body, config, opts)
     else:
         _parse_completion_logprobs(body, config, opts)
+        opts.echo = as_bool(optional(body, "echo", False), "echo")
     return opts
 
 
@@ -149,6 +169,32 @@ def _parse_stop_token_ids(value: Any, config: ApiConfig, vocab_size: int) -> lis
             param="stop_token_ids",
         )
     return [as_int(v, f"stop_token_ids[{i}]", 0, vocab_size - 1) for i, v in enumerate(items)]
+
+
+def _parse_logit_bias(value: Any, config: ApiConfig, vocab_size: int) -> dict[int, float]:
+    """``{"token id": bias}``: ids (as strings, JSON keys) inside the vocabulary, biases in
+    [-100, 100] (OpenAI's range; +-100 all but forces or bans the token)."""
+    if value is None:
+        return {}
+    obj = as_object(value, "logit_bias")
+    if len(obj) > config.max_logit_bias:
+        raise bad_request(
+            f"Too many logit_bias entries: {len(obj)}, the maximum is {config.max_logit_bias}.",
+            param="logit_bias",
+        )
+    out: dict[int, float] = {}
+    for key, bias in obj.items():
+        param = f"logit_bias.{key}"
+        if not key.isdigit() or len(key) > 12:  # no sign, no spaces: a plain token id
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}.", param=param)
+        token = int(key)
+        if token >= vocab_size:
+            raise bad_request(
+                f"'logit_bias' token id {token} is outside the vocabulary [0, {vocab_size}).",
+                param=param,
+            )
+        out[token] = as_float(bias, param, -100.0, 100.0)
+    return out
 
 
 def _parse_stream(body: dict[str, Any], opts: RequestOptions) -> None:

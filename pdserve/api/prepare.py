@@ -33,6 +33,13 @@ class PreparedRequest:
     options: RequestOptions
     prompt_lens: list[int]  # per prompt of the batch
     engine_requests: list[GenerateRequest]  # index = choice index
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+
+    def echo_text(self, choice_index: int) -> str:
+        """The prompt text choice ``choice_index`` starts with ('' without echo)."""
+        if self.echo_texts is None:
+            return ""
+        return self.echo_texts[choice_index // self.options.n]
 
     @property
     def num_choices(self) -> int:
@@ -48,13 +55,36 @@ async def _run_maybe_offloop(
     return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
-def _render_and_encode(tokenizer: TokenizerLike, request: ChatCompletionRequest) -> list[int]:
+def render_chat(tokenizer: TokenizerLike, request: ChatCompletionRequest) -> str:
+    """The prompt text of a conversation, with its tools and template options."""
     messages = [m.to_template() for m in request.messages]
+    template = request.template
+    extra = dict(template.kwargs)
+    if request.tools is not None and request.tools.template_tools is not None:
+        extra["tools"] = request.tools.template_tools
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=template.add_generation_prompt, **extra
+        )
     except Exception as exc:  # the template's complaints are about the client's messages
         logger.info("chat template rejected messages: %s", exc)
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from exc
+    if template.continue_final_message:
+        # Cut what the template closes the last turn with, so the model continues it.
+        final = messages[-1]["content"]
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise bad_request(
+                "The chat template does not render the final message's content as is, so it "
+                "cannot be continued.",
+                param="continue_final_message",
+            )
+        text = text[: end + len(final)]
+    return text
+
+
+def _render_and_encode(tokenizer: TokenizerLike, request: ChatCompletionRequest) -> list[int]:
+    text = render_chat(tokenizer, request)
     # The template already holds any BOS it wants; adding special tokens would double it.
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -91,9 +121,14 @@ async def prepare_completion(
             prompts.append(await _run_maybe_offloop(config, len(prompt), encode))
         else:
             prompts.append(prompt)
-    return _build(
+    prepared = _build(
         request_id, request.model, prompts, request.options, max_model_len, config, "prompt"
     )
+    if request.options.echo:
+        prepared.echo_texts = [
+            p if isinstance(p, str) else tokenizer.decode(p) for p in request.prompts
+        ]
+    return prepared
 
 
 def resolve_max_tokens(
@@ -144,6 +179,12 @@ def _build(
         )
         for p in prompts
     ]
+    if options.min_tokens > min(budgets):
+        raise bad_request(
+            f"'min_tokens' ({options.min_tokens}) is more than the {min(budgets)} tokens this "
+            "request may generate.",
+            param="min_tokens",
+        )
     num_choices = len(prompts) * options.n
     engine_requests = []
     for i in range(num_choices):

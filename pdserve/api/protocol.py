@@ -10,11 +10,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from pdserve.api import fields
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import bad_request, model_not_found, unrecognized_argument, unsupported
 from pdserve.api.options import RequestOptions, is_valid_id, parse_options
-from pdserve.api.validation import as_list, as_object, as_str, optional, require
+from pdserve.api.tools import ToolConfig, parse_tools
+from pdserve.api.validation import as_bool, as_list, as_object, as_str, optional, require
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "refusal"})
@@ -30,6 +33,7 @@ class ChatMessage:
     content: str
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()  # assistant turns: calls as OpenAI sent them
 
     def to_template(self) -> dict[str, Any]:
         """The dict a chat template renders (``developer`` is OpenAI's newer ``system``)."""
@@ -41,7 +45,28 @@ class ChatMessage:
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    # Templates (Hermes, Qwen, Llama 3) render arguments with tojson: give them the object.
+    fn = call["function"]
+    try:
+        args: Any = orjson.loads(fn["arguments"])
+    except orjson.JSONDecodeError:
+        args = fn["arguments"]
+    return {**call, "function": {"name": fn["name"], "arguments": args}}
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateOptions:
+    """How the conversation is rendered: vLLM's chat template extras."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
 @dataclass(slots=True)
@@ -49,6 +74,8 @@ class ChatCompletionRequest:
     model: str
     messages: list[ChatMessage]
     options: RequestOptions = field(default_factory=RequestOptions)
+    tools: ToolConfig | None = None
+    template: TemplateOptions = field(default_factory=TemplateOptions)
 
 
 @dataclass(slots=True)
@@ -86,7 +113,44 @@ def parse_chat_request(
     items = as_list(require(body, "messages"), "messages", non_empty=True)
     messages = [parse_message(m, f"messages[{i}]") for i, m in enumerate(items)]
     options = parse_options(body, config, vocab_size, is_chat=True)
-    return ChatCompletionRequest(model=model, messages=messages, options=options)
+    tools = parse_tools(body, config)
+    if tools is not None and (constraint := tools.constraint()) is not None:
+        if options.constraint is not None:
+            raise bad_request(
+                f"'tool_choice' {tools.mode!r} cannot be combined with "
+                f"'{options.constraint.param}'.",
+                param="tool_choice",
+            )
+        options.constraint = constraint
+    template = parse_template_options(body)
+    if template.continue_final_message and messages[-1].role != "assistant":
+        raise bad_request(
+            "'continue_final_message' needs the last message to be from the assistant.",
+            param="continue_final_message",
+        )
+    return ChatCompletionRequest(model, messages, options, tools, template)
+
+
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+def parse_template_options(body: dict[str, Any]) -> TemplateOptions:
+    """``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``."""
+    add = as_bool(optional(body, "add_generation_prompt", True), "add_generation_prompt")
+    cont = as_bool(optional(body, "continue_final_message", False), "continue_final_message")
+    if add and cont and body.get("add_generation_prompt") is not None:
+        raise bad_request(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+            param="continue_final_message",
+        )
+    kwargs = as_object(optional(body, "chat_template_kwargs", {}), "chat_template_kwargs")
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_VARS or not key.isidentifier():
+            raise bad_request(
+                f"'chat_template_kwargs.{key}' cannot be set there.",
+                param=f"chat_template_kwargs.{key}",
+            )
+    return TemplateOptions(not cont and add, cont, dict(kwargs))
 
 
 def parse_completion_request(
@@ -124,8 +188,7 @@ def parse_message(raw: Any, param: str) -> ChatMessage:
             f"{', '.join(sorted(CHAT_ROLES))}.",
             param=f"{param}.role",
         )
-    if optional(obj, "tool_calls", []) != []:
-        raise unsupported(f"{param}.tool_calls", "tool calling is not available")
+    tool_calls = _parse_message_tool_calls(obj.get("tool_calls"), role, f"{param}.tool_calls")
     content = obj.get("content")
     if content is None and role != "assistant":
         raise bad_request(f"Missing required parameter: '{param}.content'.", f"{param}.content")
@@ -138,7 +201,33 @@ def parse_message(raw: Any, param: str) -> ChatMessage:
         tool_call_id=None
         if tool_call_id is None
         else as_str(tool_call_id, f"{param}.tool_call_id"),
+        tool_calls=tool_calls,
     )
+
+
+def _parse_message_tool_calls(value: Any, role: str, param: str) -> tuple[dict[str, Any], ...]:
+    """An assistant turn's ``tool_calls``: ``[{id, type: function, function{name, arguments}}]``."""
+    if value is None or value == []:
+        return ()
+    if role != "assistant":
+        raise bad_request(f"'{param}' is only allowed on assistant messages.", param=param)
+    calls = []
+    for i, raw in enumerate(as_list(value, param)):
+        p = f"{param}[{i}]"
+        call = as_object(raw, p)
+        for key in call:
+            if key not in ("id", "type", "function"):
+                raise unrecognized_argument(f"{p}.{key}")
+        call_id = as_str(require(call, "id", f"{p}.id"), f"{p}.id", 128)
+        if as_str(optional(call, "type", "function"), f"{p}.type") != "function":
+            raise bad_request(f"'{p}.type' must be 'function'.", param=f"{p}.type")
+        fn = as_object(require(call, "function", f"{p}.function"), f"{p}.function")
+        name = as_str(require(fn, "name", f"{p}.function.name"), f"{p}.function.name", 64)
+        args = as_str(optional(fn, "arguments", "{}"), f"{p}.function.arguments")
+        calls.append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+        )
+    return tuple(calls)
 
 
 def parse_content(value: Any, param: str) -> str:

@@ -16,6 +16,7 @@ from pdserve.api.logprobs import (
     merge_completion_logprobs,
 )
 from pdserve.api.prepare import PreparedRequest
+from pdserve.api.tools import ToolCall, ToolConfig, may_start_call, parse_tool_calls
 from pdserve.engine.protocol import GenerateOutput
 
 
@@ -95,9 +96,20 @@ class ChatResponseBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, prepared: PreparedRequest, texts: TokenTexts) -> None:
+    def __init__(
+        self, prepared: PreparedRequest, texts: TokenTexts, tools: ToolConfig | None = None
+    ) -> None:
         super().__init__(prepared, texts)
-        self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(prepared.num_choices)]
+        n = prepared.num_choices
+        self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        # Tool calls are parsed from the text: streamed text is held from where one may start.
+        self._tools = tools if tools is not None and tools.mode != "none" else None
+        self._num_streamed = [0] * n  # characters of the choice's text already sent
+        # Named tool_choice: one call per choice, its id fixed when its first delta is sent.
+        self._named_call: list[ToolCall | None] = [
+            ToolCall(tools.named, "") if tools is not None and tools.named else None
+            for _ in range(n)
+        ]
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         """OpenAI opens each choice with an empty assistant delta carrying the role."""
@@ -110,10 +122,49 @@ class ChatResponseBuilder(ResponseBuilder):
         """The chunk for one delta, or None when it carries nothing a client would see."""
         self._record(index, out)
         logprobs = self._logprob_block(out)
+        if self._tools is not None:
+            return self._tool_chunk(index, out, logprobs)
         if not out.text and out.finish_reason is None and logprobs is None:
             return None
         delta = {"content": out.text} if out.text else {}
         return self._chunk(_chat_choice(index, delta, logprobs, out.finish_reason))
+
+    def _tool_chunk(
+        self, index: int, out: GenerateOutput, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        assert self._tools is not None
+        if out.text:
+            self._texts[index].append(out.text)
+        text = "".join(self._texts[index])
+        finish = out.finish_reason
+        delta: dict[str, Any] = {}
+        named = self._named_call[index]
+        if named is not None:  # the text is the arguments: stream it as they arrive
+            if out.text or finish is not None:
+                sent = self._num_streamed[index]
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": text[sent:]}}
+                if sent == 0:
+                    call = ToolCall(named.name, text, named.id).to_dict(0)
+                self._num_streamed[index] = len(text)
+                delta["tool_calls"] = [call]
+            finish = "tool_calls" if finish == "stop" else finish
+        elif finish is None:
+            hold = may_start_call(text, self._tools)
+            if hold > self._num_streamed[index]:
+                delta["content"] = text[self._num_streamed[index] : hold]
+                self._num_streamed[index] = hold
+        else:
+            content, calls = parse_tool_calls(text, self._tools)
+            shown = (content or "") if calls else text
+            rest = shown[self._num_streamed[index] :]
+            if rest:
+                delta["content"] = rest
+            if calls:
+                delta["tool_calls"] = [c.to_dict(i) for i, c in enumerate(calls)]
+                finish = "tool_calls" if finish == "stop" else finish
+        if not delta and finish is None and logprobs is None:
+            return None
+        return self._chunk(_chat_choice(index, delta, logprobs, finish))
 
     def _logprob_block(self, out: GenerateOutput) -> dict[str, Any] | None:
         if not self.prepared.options.logprobs or not out.logprobs:
@@ -128,15 +179,25 @@ class ChatResponseBuilder(ResponseBuilder):
         choices = []
         for i in range(self.prepared.num_choices):
             logprobs = {"content": self._logprobs[i]} if self.prepared.options.logprobs else None
+            message, finish = self._message(i)
             choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": "".join(self._texts[i])},
-                    "logprobs": logprobs,
-                    "finish_reason": self._finish_reasons[i],
-                }
+                {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             )
         return {**self._header(self.object_name), "choices": choices, "usage": self.usage()}
+
+    def _message(self, index: int) -> tuple[dict[str, Any], str | None]:
+        text, finish = "".join(self._texts[index]), self._finish_reasons[index]
+        if self._tools is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = parse_tool_calls(text, self._tools)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        message = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [c.to_dict() for c in calls],
+        }
+        return message, "tool_calls" if finish == "stop" else finish
 
 
 def _chat_choice(
@@ -156,29 +217,53 @@ class CompletionResponseBuilder(ResponseBuilder):
         n = prepared.num_choices
         self._text_offsets = [0] * n  # legacy text_offset continues across chunks
         self._blocks: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self._echoed = [False] * n
 
     def chunk(self, index: int, out: GenerateOutput) -> dict[str, Any] | None:
         """The chunk for one delta, or None when it carries nothing a client would see."""
         self._record(index, out)
         logprobs = self._logprob_block(index, out)
-        if not out.text and out.finish_reason is None and logprobs is None:
+        text = self._echo_once(index) + out.text
+        if not text and out.finish_reason is None and logprobs is None:
             return None
         return self._chunk(
             {
                 "index": index,
-                "text": out.text,
+                "text": text,
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason,
             }
         )
 
+    def _echo_once(self, index: int) -> str:
+        # The prompt text goes before the choice's first delta, once.
+        if self._echoed[index]:
+            return ""
+        self._echoed[index] = True
+        return self.prepared.echo_text(index)
+
+    def add(self, index: int, out: GenerateOutput) -> None:
+        echo = self._echo_once(index)
+        if echo:
+            self._texts[index].append(echo)
+        super().add(index, out)
+
     def _logprob_block(self, index: int, out: GenerateOutput) -> dict[str, Any] | None:
-        if not self.prepared.options.logprobs or not out.logprobs:
+        if not self.prepared.options.logprobs or not (out.logprobs or out.prompt_logprobs):
             return None
-        block, self._text_offsets[index] = completion_logprobs(
-            out.logprobs, self.texts, self._text_offsets[index]
-        )
-        return block
+        blocks = []
+        if out.prompt_logprobs:  # echo: the prompt's tokens come first, as their text does
+            prompt_ids = self.prepared.engine_requests[index].prompt_token_ids
+            block, self._text_offsets[index] = completion_logprobs(
+                out.prompt_logprobs, self.texts, self._text_offsets[index], prompt_ids
+            )
+            blocks.append(block)
+        if out.logprobs:
+            block, self._text_offsets[index] = completion_logprobs(
+                out.logprobs, self.texts, self._text_offsets[index]
+            )
+            blocks.append(block)
+        return blocks[0] if len(blocks) == 1 else merge_completion_logprobs(blocks)
 
     def _add_logprobs(self, index: int, out: GenerateOutput) -> None:
         block = self._logprob_block(index, out)

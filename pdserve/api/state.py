@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pdserve.api.config import ApiConfig
+from pdserve.api.grammar_service import GrammarService
 from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
 from pdserve.engine.protocol import EngineClient
@@ -19,6 +20,7 @@ class ApiContext:
     metrics: HttpMetrics
     token_texts: TokenTexts
     created: int  # advertised as the model's creation time in /v1/models
+    grammars: GrammarService  # structured outputs: compiles constraints per request
 
 
 API_CONTEXT: web.AppKey[ApiContext] = web.AppKey("pdserve_api_context", ApiContext)

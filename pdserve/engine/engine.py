@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
@@ -30,16 +30,31 @@ from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner_thread import RunnerThread
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
-from pdserve.engine.warmup import should_calibrate, warm_up
+from pdserve.engine.warmup import warm_up
 from pdserve.kernels.kv_cache import PageAllocator
+from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, wait_kv_ready
+from pdserve.kernels.prompt_logprobs import PromptLogprobs
 from pdserve.model_runner import RunnerOutput
 from pdserve.sequence import Sequence
+from pdserve.thread_tuning import should_calibrate
 
 if TYPE_CHECKING:
     from pdserve.engine.handoff import Handoff
     from pdserve.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# Pages freed during a step wait for the step's KV writes to finish on the device; a marker
+# still incomplete after this long means a hung device: logged, and the pages stay held.
+_KV_READY_WARN_S = 30.0
+
+
+class _StepOutput(NamedTuple):
+    """A step's results, split by row kind; ``kv_ready`` marks its one forward's KV writes."""
+
+    decode: RunnerOutput | None
+    prefill: RunnerOutput | None
+    kv_ready: KVReady
 
 
 class Engine:
@@ -80,6 +95,8 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._stepping = False
         self._deferred_frees: list[int] = []
+        self._free_waits: set[asyncio.Task[None]] = set()  # frees waiting on a step's marker
+        self._last_kv_ready: KVReady = ALWAYS_READY  # the marker of the last step that ended
         # Deltas of the last step for requests that go on: emitted while the next step computes.
         self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
         self._ready = False
@@ -103,9 +120,10 @@ class Engine:
         self._ready = False
         for req in list(self._requests.values()):
             self._fail(req, EngineError("server shutting down", 503, "service_unavailable"))
-        if self._loop_task:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        tasks = [t for t in (self._loop_task, *self._free_waits) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._runner_thread.stop()
 
     @property
@@ -117,9 +135,13 @@ class Engine:
         return self._ready and self._loop_task is not None and not self._loop_task.done()
 
     async def _warmup(self) -> None:
+        runner = self.runner
+        calibrate = should_calibrate(
+            self.config.role, runner.device.type, runner.config.decode_threads,
+            runner.prefill_threads,
+        )  # fmt: skip
         await warm_up(
-            self.runner, self.allocator, self._runner_thread,
-            calibrate=should_calibrate(self.runner, self.config.role),
+            runner, self.allocator, self._runner_thread, calibrate=calibrate,
             max_num_seqs=self.config.scheduler.max_num_seqs, engine_id=self.info.engine_id,
         )  # fmt: skip
 
@@ -166,6 +188,7 @@ class Engine:
                 400, "invalid_request_error", "context_length_exceeded",
             )  # fmt: skip
         seq = Sequence(request.request_id, list(request.prompt_token_ids), num_prompt, sp)
+        seq.grammar = request.grammar
         req = Request(request.request_id, seq, request.kv_transfer)
         req.out_state = OutputState(req.request_id, seq, self.tokenizer, self.info.max_model_len)
         self._requests[req.request_id] = req
@@ -209,8 +232,10 @@ class Engine:
             # Overlap: the previous step's detokenization, stop-string checks and streaming run
             # on the loop while the runner thread computes this step.
             self._emit_deferred()
+            kv_ready = ALWAYS_READY  # a failed step: what it queued on the device is not known
             try:
                 out = await fut
+                kv_ready = out.kv_ready
             except Exception as e:  # a model error fails this batch, never the server
                 logger.exception("%s step failed for %d requests", batch.kind, len(batch.requests))
                 for req in batch.requests:
@@ -218,34 +243,37 @@ class Engine:
                 continue
             finally:
                 self._stepping = False
-                self._flush_frees()
-            self._apply(batch, *out)
+                self._flush_frees(kv_ready)
+            self._apply(batch, out.decode, out.prefill)
 
-    def _step(
-        self, seqs: tuple[list[Request], list[Sequence]]
-    ) -> tuple[RunnerOutput | None, RunnerOutput | None]:
+    def _step(self, seqs: tuple[list[Request], list[Sequence]]) -> _StepOutput:
         """Runner thread: one forward for the step. A mixed step runs its decode rows through
         the prefill path, as one-token rows over their cached context after the prompt chunks,
         so the weights are read once for both (on a CPU the decode rows then cost little)."""
         decode, prefill = seqs
         if not prefill:
-            return self.runner.decode([r.seq for r in decode]), None
+            out = self.runner.decode([r.seq for r in decode])
+            return _StepOutput(out, None, out.kv_ready)
         if not decode:
-            return None, self.runner.prefill(prefill)
+            out = self.runner.prefill(prefill)
+            return _StepOutput(None, out, out.kv_ready)
         out = self.runner.prefill(prefill + [r.seq for r in decode])
-        n, lps = len(prefill), out.logprobs
-        return (
+        n, lps, plps = len(prefill), out.logprobs, out.prompt_logprobs
+        return _StepOutput(
             RunnerOutput(out.token_ids[n:], lps[n:] if lps else None),
-            RunnerOutput(out.token_ids[:n], lps[:n] if lps else None),
-        )
+            RunnerOutput(out.token_ids[:n], lps[:n] if lps else None,
+                         prompt_logprobs=plps[:n] if plps else None),
+            out.kv_ready,
+        )  # fmt: skip
 
     def _apply(self, batch: Batch, dec: RunnerOutput | None, pre: RunnerOutput | None) -> None:
         """Commit a step's tokens. Requests that end with this token (stop token, length) are
         finished now so the next step leaves them out; the others' deltas are deferred to
         :meth:`_emit_deferred`, which runs once the next step is submitted. A prefill row that
-        was not its prompt's last chunk only advances its cached count."""
+        was not its prompt's last chunk only advances its cached count: its sampled token is
+        discarded and never reaches the grammar or the client."""
         if dec is not None:
-            self._apply_rows(batch.decode, dec.token_ids, dec.logprobs, is_prefill=False)
+            self._apply_rows(batch.decode, dec.token_ids, dec.logprobs, None, None)
         if pre is None:
             return
         done: list[Request] = []
@@ -255,10 +283,10 @@ class Engine:
                 done.append(req)
                 keep.append(i)
         if done:
-            lps = pre.logprobs
+            lps, plps = pre.logprobs, pre.prompt_logprobs
             self._apply_rows(
                 done, [pre.token_ids[i] for i in keep], [lps[i] for i in keep] if lps else None,
-                is_prefill=True,
+                [plps[i] for i in keep] if plps else None, pre.kv_ready,
             )  # fmt: skip
 
     def _apply_rows(
@@ -266,18 +294,27 @@ class Engine:
         reqs: list[Request],
         token_ids: list[int],
         logprobs: list[TokenLogprob | None] | None,
-        *,
-        is_prefill: bool,
+        prompt_logprobs: list[PromptLogprobs | None] | None,
+        kv_ready: KVReady | None,
     ) -> None:
+        """Commit one token per request: prefill rows (their last chunk) carry the step's
+        ``kv_ready`` marker for the hand-off; decode rows pass None."""
         deferred = self._deferred_emits
-        for req, tok, lp in zip(reqs, token_ids, logprobs or [None] * len(reqs), strict=True):
+        none = [None] * len(reqs)
+        for req, tok, lp, plp in zip(
+            reqs, token_ids, logprobs or none, prompt_logprobs or none, strict=True
+        ):
             if req.is_finished:
                 continue  # aborted, failed or stopped (stop string) while the step ran
+            if plp is not None:
+                req.prompt_logprobs = plp  # goes out with the first delta
             seq = req.seq
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(tok)
-            if is_prefill:
-                if self.handoff is not None and self.handoff.on_prefilled(req, tok, lp):
+            if seq.grammar is not None and not self._advance_grammar(req, tok):
+                continue
+            if kv_ready is not None:  # a prefill row
+                if self.handoff is not None and self.handoff.on_prefilled(req, tok, lp, kv_ready):
                     continue
                 if req.state is RequestState.WAITING:
                     req.move(RequestState.RUNNING, "prefilled")
@@ -288,6 +325,18 @@ class Engine:
                 self.emit(req, [tok], lps)
             else:
                 deferred.append((req, tok, lps))
+
+    def _advance_grammar(self, req: Request, token: int) -> bool:
+        """Move the request's matcher past ``token``; a rejected token fails the request (the
+        mask allowed it, so the matcher is in error: out of its parser limits)."""
+        grammar = req.seq.grammar
+        assert grammar is not None
+        if grammar.accept(token):
+            return True
+        reason = grammar.error or f"token {token} rejected"
+        logger.info("req=%s grammar failed: %s", req.request_id, reason)
+        self._fail(req, EngineError(f"structured output failed: {reason}", 500, "internal_error"))
+        return False
 
     def _emit_deferred(self) -> None:
         if not self._deferred_emits:
@@ -301,6 +350,8 @@ class Engine:
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         out = req.out_state.update(ids, logprobs)
         out.num_cached_tokens = req.num_cached_prompt_tokens or 0
+        if req.prompt_logprobs is not None:
+            out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         self.observer.on_tokens(req, len(ids))
         req.outputs.put(out)
         if out.finish_reason is not None:
@@ -316,6 +367,9 @@ class Engine:
         seq.token_ids.append(first_token)
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
+        # The prefill sampled it under the same grammar: this matcher continues from there.
+        if seq.grammar is not None and not self._advance_grammar(req, first_token):
+            return
         self.emit(req, [first_token], [logprob] if logprob is not None else None)
         if not req.is_finished:
             self.scheduler.add_running(req)
@@ -375,18 +429,36 @@ class Engine:
 
     def free_pages(self, pages: list[int]) -> None:
         # While a forward runs, its pages may still be written: defer frees to the step's end.
+        # After it, a page is reused (by a NIXL write, another room) only once the last step's
+        # KV writes are done on the device (at once on the CPU).
         if self._stepping:
             self._deferred_frees.extend(pages)
+        elif not self._last_kv_ready.query():
+            task = asyncio.get_running_loop().create_task(
+                self._free_when_ready(self._last_kv_ready, pages), name="pdserve-free-when-ready"
+            )
+            self._free_waits.add(task)
+            task.add_done_callback(self._free_waits.discard)
         else:
             self.allocator.free(pages)
             self._wake.set()
             if self.handoff is not None:
                 self.handoff.on_pages_freed()
 
-    def _flush_frees(self) -> None:
+    def _flush_frees(self, kv_ready: KVReady) -> None:
+        """At a step's end: free what it deferred, once ``kv_ready`` (the step's marker) is."""
+        self._last_kv_ready = kv_ready
         if self._deferred_frees:
             pages, self._deferred_frees = self._deferred_frees, []
             self.free_pages(pages)
+
+    async def _free_when_ready(self, kv_ready: KVReady, pages: list[int]) -> None:
+        while not await wait_kv_ready(kv_ready, _KV_READY_WARN_S):
+            logger.error(
+                "%d freed KV pages still wait for a step's device writes after %.0fs (device "
+                "hung?); they stay held", len(pages), _KV_READY_WARN_S,
+            )  # fmt: skip
+        self.free_pages(pages)
 
     # ---- deadlines -------------------------------------------------------------------------
     def arm(self, req: Request, seconds: float, label: str) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine.protocol import EngineError, TokenLogprob
 from pdserve.engine.request import Request, RequestState
 from pdserve.fsm import DuplicateRoomError, Room, RoomOutcome, RoomState
+from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
@@ -60,8 +61,15 @@ class Handoff:
     def admit(self, req: Request) -> None:
         raise NotImplementedError
 
-    def on_prefilled(self, req: Request, first_token: int, logprob: TokenLogprob | None) -> bool:
-        """Return True when the hand-off takes the request after its prefill."""
+    def on_prefilled(
+        self,
+        req: Request,
+        first_token: int,
+        logprob: TokenLogprob | None,
+        kv_ready: KVReady = ALWAYS_READY,
+    ) -> bool:
+        """Return True when the hand-off takes the request after its prefill. ``kv_ready``
+        completes once the prefill's KV writes are done on the device."""
         return False
 
     def on_finish(self, req: Request, prev: RequestState, reason: str) -> None:
@@ -90,12 +98,20 @@ class PrefillHandoff(Handoff):
         room.done.add_done_callback(partial(self._on_room_done, req))
         self.engine.enqueue_prefill(req)
 
-    def on_prefilled(self, req: Request, first_token: int, logprob: TokenLogprob | None) -> bool:
+    def on_prefilled(
+        self,
+        req: Request,
+        first_token: int,
+        logprob: TokenLogprob | None,
+        kv_ready: KVReady = ALWAYS_READY,
+    ) -> bool:
         req.move(RequestState.PREFILL_INFLIGHT, "prefilled, sending KV")
         self.engine.arm(req, self.engine.config.deadlines.prefill_inflight_s, "timeout:inflight")
         pages = req.seq.page_ids
         lp, top = (logprob.logprob, logprob.top) if logprob is not None else (None, ())
-        sent = self.sender.send(req.room_id, pages, req.seq.num_prompt_tokens, first_token, lp, top)
+        sent = self.sender.send(
+            req.room_id, pages, req.seq.num_prompt_tokens, first_token, lp, top, kv_ready
+        )
         if sent:
             req.seq.page_ids = []  # the sender owns them now and releases them via on_release
         return True

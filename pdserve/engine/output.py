@@ -34,7 +34,12 @@ class OutputState:
         Stop strings need the text and are found by :meth:`update`; every other ending is known
         here, before detokenizing, so the engine can leave the sequence out of the next step.
         """
-        return last_token in self._stop_ids or self._is_length_end()
+        return last_token in self._stop_ids or self._is_grammar_end() or self._is_length_end()
+
+    def _is_grammar_end(self) -> bool:
+        # The structured output is complete: nothing but EOS could follow.
+        grammar = self.seq.grammar
+        return grammar is not None and grammar.is_done
 
     def _is_length_end(self) -> bool:
         seq = self.seq
@@ -53,6 +58,8 @@ class OutputState:
         text_ids = [t for t in new_ids if t not in self._stop_ids]
         prev_len = len(self._text)
         self._text += self._detok.step(text_ids) if text_ids else ""
+        if finish is None and self._is_grammar_end():
+            finish = "stop"
         if finish is None and self._is_length_end():
             finish = "length"
         if finish is not None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.grammar.matcher import GrammarMatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,7 @@ class GenerateRequest:
     sampling: SamplingParams
     kv_transfer: KVTransferParams | None = None
     deadline_s: float | None = None  # overall request deadline, relative to admission
+    grammar: GrammarMatcher | None = None  # structured output: this stream's own matcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,8 @@ class GenerateOutput:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # The first delta only, when asked: one entry per prompt token (the first is None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -87,7 +93,7 @@ class TokenizerLike(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.mailbox import OutputMailbox
-from pdserve.engine.protocol import EngineError, KVTransferParams
+from pdserve.engine.protocol import EngineError, KVTransferParams, TokenLogprob
 from pdserve.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ class Request:
     out_state: OutputState | None = None
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
     num_cached_prompt_tokens: int | None = None  # prompt tokens its first prefill found cached
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # until the first delta takes them
     outputs: OutputMailbox = field(default_factory=OutputMailbox)
 
     @property

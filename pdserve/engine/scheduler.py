@@ -21,6 +21,7 @@ from typing import NamedTuple
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import Request, RequestState
 from pdserve.kernels.kv_cache import PageAllocator
+from pdserve.kernels.prompt_logprobs import wants_prompt_logprobs
 from pdserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -150,9 +151,12 @@ class Scheduler:
         ):
             req = self.waiting[0]
             seq = req.seq
-            hit = self.cache.lookup(seq, req.page_keys)
+            # Prompt logprobs come from one forward over the whole prompt: no cached prefix
+            # (its positions would have no entries) and no chunks (vLLM skips the cache too).
+            one_forward = whole or wants_prompt_logprobs(seq)
+            hit = [] if wants_prompt_logprobs(seq) else self.cache.lookup(seq, req.page_keys)
             num_new = seq.num_tokens - len(hit) * self.page_size
-            if whole and batch and num_new > budget:
+            if one_forward and batch and num_new > budget:
                 break
             missing = -(-seq.num_tokens // self.page_size) - len(hit)
             if not self.cache.can_allocate_with(hit, missing):
@@ -166,7 +170,7 @@ class Scheduler:
                 "req=%s prefill starts: %d of %d tokens cached, %d pages shared",
                 req.request_id, seq.num_cached_tokens, seq.num_tokens, len(hit),
             )  # fmt: skip
-            take = num_new if whole else min(num_new, budget)
+            take = num_new if one_forward else min(num_new, budget)
             self.prefilling.append(req)
             batch.append(req)
             ends.append(seq.num_cached_tokens + take)

@@ -1,5 +1,6 @@
 """Engine start-up work on the runner thread: a real one-token generation, then (decode and
-colocated roles) the decode thread-count measurement of pdserve.thread_tuning."""
+colocated roles on a CPU, see ``thread_tuning.should_calibrate``) the decode thread-count
+measurement of pdserve.thread_tuning."""
 
 from __future__ import annotations
 
@@ -16,11 +17,6 @@ if TYPE_CHECKING:
     from pdserve.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-def should_calibrate(runner: ModelRunner, role: str) -> bool:
-    """Decode threads are measured unless given, where decode steps run and could use more."""
-    return role != "prefill" and runner.config.decode_threads is None and runner.prefill_threads > 1
 
 
 async def warm_up(

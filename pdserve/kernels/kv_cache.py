@@ -4,6 +4,12 @@ Layout (page-major): ``(num_pages, num_layers, 2, page_size, num_kv_heads, head_
 All layers' K and V of one page are contiguous, so a room's KV transfer is one NIXL descriptor
 per page, and runs of adjacent pages coalesce into one descriptor. The same tensor is what the
 model runner reads and writes and what the transport registers with NIXL.
+
+One extra **scratch page** follows the allocator's ``num_pages`` in the same storage: padded
+rows of a batch (CUDA-graph buckets, block-table padding) read and write it, so padding never
+touches a live page. No sequence owns it; the allocator, the transport's page ids and the
+registered tensor (:attr:`KVPagePool.kv`) do not include it, while the per-layer views the
+attention kernels read (:meth:`KVPagePool.layer_view`) do.
 """
 
 from __future__ import annotations
@@ -56,15 +62,23 @@ class KVPagePool:
     ) -> None:
         self.config = config
         c = config
-        shape = (c.num_pages, c.num_layers, 2, c.page_size, c.num_kv_heads, c.head_dim)
+        shape = (c.num_pages + 1, c.num_layers, 2, c.page_size, c.num_kv_heads, c.head_dim)
         if torch.device(device).type == "cpu" and hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
-            self.kv = hugepage_zeros(shape, c.dtype)  # (P, L, 2, page, Hkv, D)
+            self.storage = hugepage_zeros(shape, c.dtype)  # (P + 1, L, 2, page, Hkv, D)
         else:
-            self.kv = torch.zeros(shape, dtype=c.dtype, device=device)
+            self.storage = torch.zeros(shape, dtype=c.dtype, device=device)
+        # The allocator's pages (a contiguous prefix of the storage): what NIXL registers.
+        self.kv = self.storage[: c.num_pages]  # (P, L, 2, page, Hkv, D)
+
+    @property
+    def scratch_page(self) -> int:
+        """The page id padded batch rows point at (never allocated, never transferred)."""
+        return self.config.num_pages
 
     def layer_view(self, layer: int) -> torch.Tensor:
-        """One layer's K and V pages, ``(num_pages, 2, page_size, Hkv, D)`` (a strided view)."""
-        return self.kv[:, layer]
+        """One layer's K and V pages, the scratch page included,
+        ``(num_pages + 1, 2, page_size, Hkv, D)`` (a strided view)."""
+        return self.storage[:, layer]
 
     @property
     def page_bytes(self) -> int:

@@ -6,6 +6,14 @@ per step (:class:`SamplingTensors`). Randomness is counter-based: the noise for 
 token whatever batch it runs in and without the sampler keeping any per-sequence state.
 Sampling is an exponential race (equivalent to Gumbel-max): ``argmax(p_v / E_v)`` with
 ``E_v ~ Exp(1)`` picks ``v`` with probability ``p_v``.
+
+Two formulations give the same tokens. On the CPU, reading a tensor costs nothing, so the step
+takes data-dependent shortcuts (the candidate race of :mod:`~pdserve.kernels.sampling_candidates`
+with a full-vocabulary fallback for the rows that need it, a bisection that stops once every row
+converged). On a GPU each such read is a device->host sync that stalls the launch queue, so the
+sync-free formulation runs a fixed amount of work: every row on the full-vocabulary path, the
+top-p bisection for its worst-case number of steps. Which branches run is decided from
+:class:`HostFlags`, known on the host before any kernel runs.
 """
 
 from __future__ import annotations
@@ -14,7 +22,6 @@ import secrets
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from pdserve.kernels.sampling_candidates import CANDIDATE_WIDTH, plan_candidates
 from pdserve.kernels.topk import argmax_rows
@@ -27,6 +34,22 @@ _MIX_B = 0x846CA68B
 _GOLDEN = 0x9E3779B9
 _SEED_MUL = 0x85EBCA6B
 _MAX_UNIFORM = 1.0 - 2.0**-24  # the largest float32 below 1
+# The top-p bisection's interval is at most 2**30 + 1 float32 bit patterns wide (probabilities
+# lie in [0, 1], 1.0 is 0x3F800000): 31 halvings always reach adjacent patterns, and further
+# steps leave a converged row unchanged (mid == lo, which is never inside).
+TOP_P_BISECTION_STEPS = 31
+
+
+@dataclass(frozen=True)
+class HostFlags:
+    """What the host knows about a batch's parameters before any kernel runs. The step
+    branches on these instead of reducing a device tensor (a sync on CUDA). They may be
+    conservative (a branch taken that changes nothing), never wrong the other way."""
+
+    all_greedy: bool
+    any_greedy: bool
+    top_ks: frozenset[int]  # the top_k values (> 0) of the rows using one
+    any_top_p: bool
 
 
 @dataclass
@@ -46,6 +69,8 @@ class SamplingTensors:
     output_tokens: torch.Tensor | None = None  # (B, max_output)
     max_top_logprobs: int = 0
     need_logprobs: bool = False
+    host: HostFlags | None = None  # None: derived from the tensors (reads them)
+    min_p: torch.Tensor | None = None  # float32 (B,), only when some row uses min_p
 
     def rows(self, index: torch.Tensor) -> SamplingTensors:
         """The truncation/noise parameters of the rows in ``index`` (no penalties/logprobs)."""
@@ -58,6 +83,21 @@ class SamplingTensors:
             repetition_penalty=self.repetition_penalty[index],
             frequency_penalty=self.frequency_penalty[index],
             presence_penalty=self.presence_penalty[index],
+            host=self.host,  # a superset's flags stay valid for a subset
+            min_p=None if self.min_p is None else self.min_p[index],
+        )
+
+    def host_flags(self) -> HostFlags:
+        """:attr:`host`, or the flags read from the tensors when none were given."""
+        if self.host is not None:
+            return self.host
+        is_greedy = self.temperature <= 0
+        uses_k = self.top_k > 0
+        return HostFlags(
+            all_greedy=bool(is_greedy.all()),
+            any_greedy=bool(is_greedy.any()),
+            top_ks=frozenset(self.top_k[uses_k].tolist()),
+            any_top_p=bool((self.top_p < 1.0).any()),
         )
 
 
@@ -138,15 +178,17 @@ def _token_counts(tokens: torch.Tensor, num_seqs: int, vocab: int) -> torch.Tens
     return counts[:, :vocab]
 
 
-def _kth_largest(logits: torch.Tensor, k: torch.Tensor, is_active: torch.Tensor) -> torch.Tensor:
-    """Each row's k-th largest logit ``(B, 1)``; -inf for rows without top-k."""
-    k_max = int(k[is_active].max())
+def _kth_largest(
+    logits: torch.Tensor, k: torch.Tensor, is_active: torch.Tensor, k_max: int
+) -> torch.Tensor:
+    """Each row's k-th largest logit ``(B, 1)``; -inf for rows without top-k. ``k_max`` (from
+    the host) is at least the largest active ``k``."""
     top = logits.topk(k_max, dim=1).values
     kth = top.gather(1, (k.clamp(max=k_max) - 1).unsqueeze(1))
     return kth.masked_fill(~is_active.unsqueeze(1), float("-inf"))
 
 
-def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor, fixed_steps: bool) -> torch.Tensor:
     """Per-row probability threshold ``(B, 1)`` of the top-p nucleus (0 for rows without).
 
     The nucleus is the smallest descending prefix whose mass reaches top_p; its last (floor)
@@ -155,13 +197,17 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     over float32 bit patterns (monotone for non-negative floats) lands exactly on f in at most
     31 masked sums (fewer for flat rows) instead of sorting the vocabulary (~3.5 ms per 32k row
     on this CPU). The sums are float64: float32 rounding (~1e-7) would decide borderline tokens.
+    ``fixed_steps`` runs all :data:`TOP_P_BISECTION_STEPS` instead of testing for convergence
+    (a sync on CUDA); the result is the same.
     """
     bits = probs.view(torch.int32)
     wide = probs.double()
     target = top_p.unsqueeze(1).double()
     lo = bits.amin(dim=1, keepdim=True) - 1  # G(below the min) = all mass: not < top_p
     hi = bits.amax(dim=1, keepdim=True)  # G(max) = 0 < top_p
-    while bool((hi - lo > 1).any()):
+    for _ in range(TOP_P_BISECTION_STEPS):
+        if not fixed_steps and not bool((hi - lo > 1).any()):
+            break
         mid = lo + (hi - lo) // 2
         is_inside = wide.masked_fill(bits <= mid, 0.0).sum(dim=1, keepdim=True) < target
         hi = torch.where(is_inside, mid, hi)
@@ -169,19 +215,25 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return hi.view(torch.float32).masked_fill(target >= 1.0, 0.0)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def _filter_top_k_top_p(
+    logits: torch.Tensor, t: SamplingTensors, fixed_steps: bool = False
+) -> torch.Tensor:
     """Mask (to -inf) entries outside each row's top-k, then outside its top-p nucleus.
 
     Entries tied with the last kept one are kept too.
     """
     vocab = logits.shape[1]
-    k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
-    has_top_k = k < vocab
-    if bool(has_top_k.any()):
-        logits = logits.masked_fill(logits < _kth_largest(logits, k, has_top_k), float("-inf"))
-    if bool((t.top_p < 1.0).any()):
+    flags = t.host_flags()
+    truncating = [k for k in flags.top_ks if k < vocab]  # top_k >= vocab keeps every token
+    if truncating:
+        k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
+        has_top_k = k < vocab
+        kth = _kth_largest(logits, k, has_top_k, max(truncating))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if flags.any_top_p:
         probs = logits.softmax(dim=1)
-        logits = logits.masked_fill(probs < _top_p_floor(probs, t.top_p), float("-inf"))
+        floor = _top_p_floor(probs, t.top_p, fixed_steps)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
@@ -190,21 +242,39 @@ def _race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (logits - torch.log(-torch.log(noise))).argmax(dim=1)
 
 
-def _full_vocab_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def _full_vocab_sample(
+    logits: torch.Tensor, t: SamplingTensors, fixed_steps: bool = False
+) -> torch.Tensor:
     """The reference path: truncate over the whole vocabulary, race with noise for every id."""
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0).unsqueeze(1)
-    filtered = _filter_top_k_top_p(logits / temperature, t)
+    filtered = _filter_top_k_top_p(logits / temperature, t, fixed_steps)
     return _race(filtered, uniform_noise(t.seeds, t.positions, logits.shape[1]))
 
 
-def _random_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask tokens whose probability (after temperature) is below ``min_p`` x the row's best.
+
+    ``p_v >= min_p * p_max`` is ``logit_v >= logit_max + T * log(min_p)``: one row threshold,
+    no softmax, no host read; ``min_p = 0`` gives a -inf threshold (nothing masked).
+    """
+    if t.min_p is None:
+        return logits
+    temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
+    floor = logits.amax(dim=1) + temperature * torch.log(t.min_p)
+    return logits.masked_fill(logits < floor.unsqueeze(1), float("-inf"))
+
+
+def _random_sample(
+    logits: torch.Tensor, t: SamplingTensors, sync_free: bool = False
+) -> torch.Tensor:
     """Sample each row; rows whose kept tokens provably lie in their top ``CANDIDATE_WIDTH``
     logits race over those only (see :mod:`pdserve.kernels.sampling_candidates`), the rest
     take the full-vocabulary path. Both give the same token; each row's work depends on that
-    row alone, so a seeded row samples the same token in any batch."""
+    row alone, so a seeded row samples the same token in any batch. ``sync_free``: every row
+    on the full-vocabulary path (picking the rows that need it would read the plan)."""
     vocab = logits.shape[1]
-    if vocab <= CANDIDATE_WIDTH:
-        return _full_vocab_sample(logits, t)
+    if sync_free or vocab <= CANDIDATE_WIDTH:
+        return _full_vocab_sample(logits, t, fixed_steps=sync_free)
     plan = plan_candidates(logits, t.temperature, t.top_k, t.top_p)
     choice = _race(plan.scaled, uniform_noise(t.seeds, t.positions, plan.ids))
     token_ids = plan.ids.gather(1, choice.unsqueeze(1)).squeeze(1)
@@ -214,20 +284,26 @@ def _random_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return token_ids
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, t: SamplingTensors, sync_free: bool | None = None
+) -> SamplerOutput:
     """Pick one token per row of float32 ``logits`` ``(B, V)``.
 
     Logprobs (when requested) are of the model's distribution after penalties, before
-    temperature and truncation, as in the OpenAI API.
+    temperature and truncation, as in the OpenAI API. ``sync_free`` (default: off the CPU)
+    reads no tensor on the host (see the module docstring); the tokens are the same.
     """
+    if sync_free is None:
+        sync_free = logits.device.type != "cpu"
+    flags = t.host_flags()
     logits = apply_penalties(logits, t)
-    is_greedy = t.temperature <= 0
-    if bool(is_greedy.all()):
+    if flags.all_greedy:
         token_ids = argmax_rows(logits)
-    elif bool(is_greedy.any()):
-        token_ids = torch.where(is_greedy, argmax_rows(logits), _random_sample(logits, t))
+    elif flags.any_greedy:
+        sampled = _random_sample(apply_min_p(logits, t), t, sync_free)
+        token_ids = torch.where(t.temperature <= 0, argmax_rows(logits), sampled)
     else:
-        token_ids = _random_sample(logits, t)
+        token_ids = _random_sample(apply_min_p(logits, t), t, sync_free)
     out = SamplerOutput(token_ids=token_ids)
     if t.need_logprobs:
         logprobs = logits.log_softmax(dim=1)
@@ -257,38 +333,90 @@ def _fold_seed(seed: int) -> int:
     return (seed ^ (seed >> 32)) & _MASK32
 
 
-def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    tensors = [torch.tensor(r, dtype=torch.int64, device=device) for r in rows]
-    return pad_sequence(tensors, batch_first=True, padding_value=-1)
+def _padded(rows: list[list[int]]) -> list[int]:
+    width = max(map(len, rows), default=0)
+    return [x for r in rows for x in (*r, *[-1] * (width - len(r)))]
+
+
+def _to_device(
+    ints: torch.Tensor, floats: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both host tensors on ``device`` through ONE copy: the float32 values ride as bit
+    patterns at the end of one int64 (pinned) buffer, viewed back on the device."""
+    if device.type == "cpu":
+        return ints, floats
+    num_ints, num_floats = ints.numel(), floats.numel()
+    host = torch.empty(num_ints + -(-num_floats // 2), dtype=torch.int64, pin_memory=True)
+    host[:num_ints] = ints
+    host[num_ints:].view(torch.float32)[:num_floats] = floats
+    buf = host.to(device, non_blocking=True)
+    return buf[:num_ints], buf[num_ints:].view(torch.float32)[:num_floats]
 
 
 def sampling_tensors_for(seqs: list[Sequence], device: torch.device) -> SamplingTensors:
     """Per-row tensors for ``seqs``; the sampled token lands at index ``seq.num_tokens``.
 
-    A ``seed`` of None draws a fresh random seed (the scheduler normally fills one in first).
+    The values are built on the host in one int64 and one float32 tensor, copied to the
+    device once (see :func:`_to_device`) and sliced there. A ``seed`` of None draws a fresh
+    random seed (the scheduler normally fills one in first).
     """
     params = [s.sampling for s in seqs]
-
-    def col(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    seeds = [_fold_seed(p.seed if p.seed is not None else secrets.randbits(32)) for p in params]
-    t = SamplingTensors(
-        temperature=col([0.0 if p.is_greedy else p.temperature for p in params], torch.float32),
-        top_k=col([p.top_k for p in params], torch.int64),
-        top_p=col([p.top_p for p in params], torch.float32),
-        seeds=col(seeds, torch.int64),
-        positions=col([s.num_tokens for s in seqs], torch.int64),
-        repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
-        frequency_penalty=col([p.frequency_penalty for p in params], torch.float32),
-        presence_penalty=col([p.presence_penalty for p in params], torch.float32),
-        max_top_logprobs=max(p.top_logprobs if p.logprobs else 0 for p in params),
-        need_logprobs=any(p.logprobs for p in params),
-    )
+    num_seqs = len(seqs)
     uses_penalty = any(
         p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
     )
+    int_values = [p.top_k for p in params]
+    int_values += [
+        _fold_seed(p.seed if p.seed is not None else secrets.randbits(32)) for p in params
+    ]
+    int_values += [s.num_tokens for s in seqs]
+    widths = (0, 0)
     if uses_penalty:
-        t.prompt_tokens = _padded([s.token_ids[: s.num_prompt_tokens] for s in seqs], device)
-        t.output_tokens = _padded([s.generated_ids for s in seqs], device)
+        prompts = _padded([s.token_ids[: s.num_prompt_tokens] for s in seqs])
+        outputs = _padded([s.generated_ids for s in seqs])
+        widths = (len(prompts) // num_seqs, len(outputs) // num_seqs)
+        int_values += prompts
+        int_values += outputs
+    greedy = [p.is_greedy for p in params]
+    float_values = [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+    float_values += [p.top_p for p in params]
+    float_values += [p.repetition_penalty for p in params]
+    float_values += [p.frequency_penalty for p in params]
+    float_values += [p.presence_penalty for p in params]
+    uses_min_p = any(p.min_p > 0 for p in params)
+    if uses_min_p:
+        float_values += [p.min_p for p in params]
+    ints, floats = _to_device(
+        torch.tensor(int_values, dtype=torch.int64),
+        torch.tensor(float_values, dtype=torch.float32),
+        device,
+    )
+    top_k, seeds, positions = ints[: 3 * num_seqs].view(3, num_seqs).unbind(0)
+    temperature, top_p, repetition, frequency, presence = (
+        floats[: 5 * num_seqs].view(5, num_seqs).unbind(0)
+    )
+    t = SamplingTensors(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seeds=seeds,
+        positions=positions,
+        repetition_penalty=repetition,
+        frequency_penalty=frequency,
+        presence_penalty=presence,
+        max_top_logprobs=max(p.top_logprobs if p.logprobs else 0 for p in params),
+        need_logprobs=any(p.logprobs for p in params),
+        host=HostFlags(
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            top_ks=frozenset(p.top_k for p in params if p.top_k > 0),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+        ),
+    )
+    if uses_min_p:
+        t.min_p = floats[5 * num_seqs :]
+    if uses_penalty:
+        prompt_end = 3 * num_seqs + num_seqs * widths[0]
+        t.prompt_tokens = ints[3 * num_seqs : prompt_end].view(num_seqs, widths[0])
+        t.output_tokens = ints[prompt_end:].view(num_seqs, widths[1])
     return t

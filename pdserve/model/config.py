@@ -69,12 +69,17 @@ class ModelConfig:
             raise ModelDirError(f"model directory {str(root)!r} does not exist")
         hf = _read_json(root / "config.json", required=True)
         gen = _read_json(root / "generation_config.json", required=False)
+        legacy = _read_json(root / "quantize_config.json", required=False)
+        if legacy is not None and not hf.get("quantization_config"):
+            # AutoGPTQ's own file, from before the settings moved into config.json.
+            hf = hf | {"quantization_config": {"quant_method": "gptq"} | legacy}
         return cls.from_hf_dict(hf, gen)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
         """Build from a parsed ``config.json`` dict; ``gen`` is ``generation_config.json``."""
         arch = _architecture(hf)
+        _refuse_quantized(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         theta, scaling = _rope(hf)
@@ -136,6 +141,22 @@ def _architecture(hf: dict[str, Any]) -> str:
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelDirError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
     return arch
+
+
+def _refuse_quantized(hf: dict[str, Any]) -> None:
+    # Loading a quantized checkpoint's packed weights as plain ones (without their scales)
+    # would produce garbage: refuse, naming the method.
+    quant = hf.get("quantization_config")
+    if not quant:
+        return
+    quant = quant if isinstance(quant, dict) else {}
+    method = quant.get("quant_method")
+    if method is None and (quant.get("load_in_4bit") or quant.get("load_in_8bit")):
+        method = "bitsandbytes"
+    raise ModelDirError(
+        f"the checkpoint is quantized (quantization_config.quant_method {method or 'unknown'!r}); "
+        "pdserve serves only unquantized float32, bfloat16 and float16 checkpoints"
+    )
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:

@@ -23,13 +23,33 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 logger = logging.getLogger(__name__)
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"  # 2: the chat template renders tools, tool calls and tool results
 _MARKER = ".pdserve-demo-model"
 BOS, EOS, IM_START, IM_END = "<s>", "</s>", "<|im_start|>", "<|im_end|>"
+# ChatML with Hermes-style tools (as Qwen 2.5 renders them): the tool list in a system turn,
+# calls as <tool_call> JSON in assistant turns, results as <tool_response> in user turns.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions. '"
+    " + 'Function signatures are within <tools></tools>:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each call, return a JSON object within <tool_call></tool_call>:'"
+    ' + \'\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\''
+    " + '\\n</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>'"
+    " + '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 

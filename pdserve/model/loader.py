@@ -1,7 +1,7 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded) into :class:`ModelWeights`.
 
-Tensors are read one layer at a time and fused (QKV, gate/up) as they are converted to the
-serving dtype, so peak memory stays near the size of the converted model.
+Tensors are read one layer at a time, onto the serving device, and fused (QKV, gate/up) as they
+are converted to the serving dtype, so peak memory stays near the size of the converted model.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from pdserve.model.weights import LayerWeights, ModelWeights
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+# Weight dtypes the decoder converts from; anything else (float8, int8/int4 packs) is quantized.
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+EMBED = "model.embed_tokens.weight"
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -41,6 +45,16 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def stored_dtype(model_dir: str | Path) -> str | None:
+    """The dtype the embedding table is stored in ("float32", "bfloat16", "float16"), for a
+    checkpoint whose config.json does not say; None if unknown."""
+    for path in checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as handle:
+            if EMBED in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                return _SAFETENSORS_DTYPES.get(handle.get_slice(EMBED).get_dtype())
+    return None
+
+
 class _TensorSource:
     """Name -> tensor lookup across all shard files, converting on read."""
 
@@ -48,8 +62,13 @@ class _TensorSource:
         self._handles: dict[str, Any] = {}
         self._dtype = dtype
         self._device = device
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None:  # safetensors wants an index
+            target = torch.device("cuda", torch.cuda.current_device())
         for path in files:
-            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            # Read straight into the target device's memory (a CUDA worker never holds more
+            # than the tensor being read on the host); dtype conversion then runs there too.
+            handle = stack.enter_context(safe_open(str(path), framework="pt", device=str(target)))
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 self._handles[name] = handle
         self.files = files
@@ -64,6 +83,11 @@ class _TensorSource:
                 f"(in {str(self.files[0].parent)!r})"
             )
         tensor = self._handles[name].get_tensor(name)
+        if tensor.dtype not in LOADABLE_DTYPES:
+            raise ModelDirError(
+                f"tensor {name!r} is stored as {tensor.dtype}: a quantized checkpoint, which "
+                "pdserve cannot serve (only float32, bfloat16 and float16 weights)"
+            )
         if shape is not None and tuple(tensor.shape) != shape:
             raise ModelDirError(f"tensor {name!r} has shape {tuple(tensor.shape)}, want {shape}")
         return tensor.to(dtype=self._dtype, device=self._device)
@@ -110,7 +134,7 @@ def load_weights(
     vocab_shape = (config.vocab_size, config.hidden_size)
     with ExitStack() as stack:
         src = _TensorSource(stack, files, dtype, device)
-        embed = src.get("model.embed_tokens.weight", vocab_shape)
+        embed = src.get(EMBED, vocab_shape)
         if config.tie_word_embeddings or not src.has("lm_head.weight"):
             if not config.tie_word_embeddings:
                 logger.warning("%s: no lm_head.weight, tying it to the embeddings", root)

@@ -148,6 +148,8 @@ class Router:
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenizer_call)
+        app.router.add_post("/detokenize", self._tokenizer_call)
         app.router.add_get("/health", self._alive)
         app.router.add_get("/health/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
@@ -200,24 +202,41 @@ class Router:
         return await self._dispatcher.handle(request, request.path, body, raw, rid)
 
     async def _models(self, request: web.Request) -> web.Response:
+        reply = await self._ask_any_worker("GET", "/v1/models", None, ok_only=True)
+        return reply or error_response(503, "no healthy worker to list models")
+
+    async def _tokenizer_call(self, request: web.Request) -> web.Response:
+        """/tokenize and /detokenize: every worker holds the same tokenizer; ask one (its
+        4xx answers are the client's and are passed on as they are)."""
+        body = await request.read()
+        reply = await self._ask_any_worker("POST", request.path, body, ok_only=False)
+        return reply or error_response(503, f"no healthy worker to serve {request.path}")
+
+    async def _ask_any_worker(
+        self, method: str, path: str, body: bytes | None, ok_only: bool
+    ) -> web.Response | None:
+        """The first answer (200, or any non-5xx unless ``ok_only``) of a healthy worker."""
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-        headers = {}
+        headers = {"Content-Type": "application/json"}
         if self.config.worker_api_key:
             headers["Authorization"] = f"Bearer {self.config.worker_api_key}"
         for role in ("decode", "colocated", "prefill"):
             for worker in self.workers.available(role):
                 try:
-                    async with self._session.get(
-                        f"{worker.url}/v1/models", timeout=timeout, headers=headers
+                    async with self._session.request(
+                        method, f"{worker.url}{path}", data=body, timeout=timeout, headers=headers
                     ) as resp:
-                        if resp.status == 200:
+                        if resp.status == 200 or (not ok_only and resp.status < 500):
                             return web.Response(
-                                body=await resp.read(), content_type="application/json"
+                                status=resp.status,
+                                body=await resp.read(),
+                                content_type="application/json",
                             )
+                        logger.info("%s %s from %s: %d", method, path, worker.url, resp.status)
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    logger.info("GET /v1/models from %s failed: %s", worker.url, exc)
-        return error_response(503, "no healthy worker to list models")
+                    logger.info("%s %s from %s failed: %s", method, path, worker.url, exc)
+        return None
 
     async def _alive(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

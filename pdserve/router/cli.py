@@ -9,8 +9,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from pdserve.cli import run_async
+from pdserve.cli_common import DeprecatedAlias, run_async, setup_logging
 from pdserve.envs import read_env
+from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.router.app import Router
 from pdserve.router.config import POLICY_NAMES, RouterConfig
 
@@ -45,9 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_timing_flags(p, d)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument(
+        "--max-body-kb", type=int, default=d.max_body_bytes >> 10,
+        help="larger request bodies get 413 (as on workers)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-body-bytes", action=DeprecatedAlias, new="--max-body-kb", type=int, default=None
+    )
     p.add_argument("--api-key", default=None, help="clients' Bearer key ($PDSERVE_API_KEY)")
     p.add_argument("--worker-api-key", default=None, help="Bearer key for workers (--api-key)")
+    p.add_argument("--log-level", default=None, help="default $PDSERVE_LOG_LEVEL, else INFO")
+    add_parent_pid_arg(p)
     return p
 
 
@@ -89,29 +98,26 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         breaker_reset_s=args.breaker_reset,
         api_key=api_key,
         worker_api_key=args.worker_api_key or api_key,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes or args.max_body_kb << 10,
     )
 
 
-async def serve(config: RouterConfig) -> None:
-    """Run a router until SIGINT or SIGTERM."""
+async def serve(config: RouterConfig, parent_pid: int | None = None) -> None:
+    """Run a router until SIGINT or SIGTERM (or until ``parent_pid`` is no longer its parent)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with Router(config) as router:
         print(f"pdserve router ready at {router.url}", flush=True)
-        await stop.wait()
+        await wait_for_stop(stop, parent_pid)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point (``pdserve router ...``); returns the exit status."""
     env = read_env()
     args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=env.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+    setup_logging(args.log_level)
     try:
         config = config_from_args(args, env.api_key)
     except ValueError as exc:
@@ -119,5 +125,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not (config.prefill_urls or config.decode_urls or config.worker_urls):
         logger.warning("no workers given; add them at run time with POST /workers")
-    run_async(serve(config))
+    run_async(serve(config, args.parent_pid))
     return 0

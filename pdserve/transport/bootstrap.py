@@ -24,19 +24,15 @@ import orjson
 from aiohttp import web
 
 from pdserve.transport.messages import (
-    MAX_ID_LEN,
     AbortMsg,
     AbortReplyMsg,
     HeartbeatMsg,
     HeartbeatReplyMsg,
-    MessageError,
     RegisterMsg,
     RegisterReplyMsg,
     RoomMsg,
-    decode,
-    encode,
-    error_body,
 )
+from pdserve.transport.wire import MAX_ID_LEN, MessageError, decode, encode, error_body
 
 logger = logging.getLogger(__name__)
 

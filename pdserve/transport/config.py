@@ -25,6 +25,9 @@ class TransportConfig:
 
     engine_id: str
     incarnation: str = field(default_factory=new_incarnation)
+    # The model identity a peer must share (checked at registration with the page layout).
+    model_name: str = ""
+    model_fingerprint: str = ""  # pdserve.transport.layout.model_fingerprint of the checkpoint
     bootstrap_host: str = "127.0.0.1"  # prefill only: where the bootstrap server listens
     bootstrap_port: int = 8998  # prefill only; 0 = ephemeral (read KVSender.bootstrap_port)
     heartbeat_interval_s: float = 1.0  # a peer is declared lost after 2 missed intervals
@@ -37,6 +40,9 @@ class TransportConfig:
     max_chunk_pages: int = 0  # pages per WRITE (one notification each); 0 = whole room at once
     max_room_pages: int = 1 << 16  # bound on a room's page list on the wire
     max_recent_aborts: int = 4096  # sender memory of aborted room ids (for late first contacts)
+    # How long a room's WRITE waits for the prefill forward that wrote its pages to finish on
+    # the device (its KVReady marker): past it the room fails "transfer_error: kv not ready".
+    kv_ready_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.engine_id or "@" in self.engine_id:
@@ -47,6 +53,7 @@ class TransportConfig:
             "heartbeat_interval_s",
             "connect_timeout_s",
             "request_timeout_s",
+            "kv_ready_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

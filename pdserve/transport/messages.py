@@ -11,135 +11,31 @@ NIXL notifications (``DataNotifMsg`` attached to the WRITE itself, ``AbortNotifM
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import binascii
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
-import torch
 
-MAX_ID_LEN = 256  # engine ids, incarnations, room ids, agent names
-MAX_REASON_LEN = 512
-MAX_METADATA_BYTES = 4 << 20  # NIXL agent metadata is a few KiB; bound it anyway
-MAX_PAGE_ID = (1 << 31) - 1
-MAX_TOKENS = (1 << 31) - 1
-MAX_NONCE = (1 << 63) - 1
-MAX_TOP_LOGPROBS = 20
-DEFAULT_MAX_PAGES = 1 << 16
-
-M = TypeVar("M")
-
-
-class MessageError(ValueError):
-    """A message that fails validation: answered with HTTP 400 / dropped, never applied."""
-
-
-# -- field readers -------------------------------------------------------------------------------
-
-
-def _field(d: dict[str, Any], key: str) -> Any:
-    if key not in d:
-        raise MessageError(f"missing field {key!r}")
-    return d[key]
-
-
-def _str(d: dict[str, Any], key: str, max_len: int = MAX_ID_LEN) -> str:
-    value = _field(d, key)
-    if not isinstance(value, str) or not value:
-        raise MessageError(f"{key!r} must be a non-empty string")
-    if len(value) > max_len:
-        raise MessageError(f"{key!r} longer than {max_len} characters")
-    return value
-
-
-def _int(d: dict[str, Any], key: str, lo: int, hi: int) -> int:
-    value = _field(d, key)
-    if type(value) is not int:  # bool is an int subclass: reject it explicitly
-        raise MessageError(f"{key!r} must be an integer")
-    if not lo <= value <= hi:
-        raise MessageError(f"{key!r}={value} out of range [{lo}, {hi}]")
-    return value
-
-
-def _opt_int(d: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
-    return None if d.get(key) is None else _int(d, key, lo, hi)
-
-
-def _logprob(value: Any, key: str) -> float:
-    if type(value) not in (int, float) or not -1e30 <= value <= 0.0:  # also rejects NaN
-        raise MessageError(f"{key!r} must be a log-probability (a float <= 0)")
-    return float(value)
-
-
-def _opt_logprob(d: dict[str, Any], key: str) -> float | None:
-    return None if d.get(key) is None else _logprob(d[key], key)
-
-
-def _top_logprobs(d: dict[str, Any], key: str) -> tuple[tuple[int, float], ...]:
-    value = d.get(key) or []
-    if not isinstance(value, list) or len(value) > MAX_TOP_LOGPROBS:
-        raise MessageError(f"{key!r} must be a list of at most {MAX_TOP_LOGPROBS} pairs")
-    pairs = []
-    for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int):
-            raise MessageError(f"{key!r} must hold [token_id, logprob] pairs")
-        if not 0 <= item[0] <= MAX_TOKENS:
-            raise MessageError(f"{key!r} holds an out-of-range token id")
-        pairs.append((item[0], _logprob(item[1], key)))
-    return tuple(pairs)
-
-
-def _bool(d: dict[str, Any], key: str) -> bool:
-    value = _field(d, key)
-    if type(value) is not bool:
-        raise MessageError(f"{key!r} must be a boolean")
-    return value
-
-
-def _b64(d: dict[str, Any], key: str, max_bytes: int) -> bytes:
-    value = _str(d, key, max_len=(max_bytes * 4) // 3 + 4)
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise MessageError(f"{key!r} is not valid base64: {e}") from None
-
-
-def _page_ids(d: dict[str, Any], key: str, max_pages: int) -> list[int]:
-    value = _field(d, key)
-    if not isinstance(value, list) or not value:
-        raise MessageError(f"{key!r} must be a non-empty list of page ids")
-    if len(value) > max_pages:
-        raise MessageError(f"{key!r} has {len(value)} pages, more than {max_pages}")
-    if not all(type(p) is int for p in value):
-        raise MessageError(f"{key!r} must hold integers only")
-    if min(value) < 0 or max(value) > MAX_PAGE_ID:
-        raise MessageError(f"{key!r} holds a negative or too large page id")
-    if len(set(value)) != len(value):  # two slots aliasing one page would corrupt the KV
-        raise MessageError(f"{key!r} holds a page id twice")
-    return value
-
-
-def _as_dict(raw: Any) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise MessageError("message must be a JSON object")
-    return raw
-
-
-def decode(cls: type[M], body: bytes) -> M:
-    """Parse and validate ``body`` (orjson) into ``cls``; raises MessageError."""
-    try:
-        raw = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise MessageError(f"invalid JSON: {e}") from None
-    return cls.from_dict(_as_dict(raw))  # type: ignore[attr-defined]
-
-
-def encode(msg: Any) -> bytes:
-    """orjson bytes of a ``*Msg`` (its ``to_dict()``)."""
-    return orjson.dumps(msg.to_dict())
-
+from pdserve.transport.wire import (
+    DEFAULT_MAX_PAGES,
+    MAX_METADATA_BYTES,
+    MAX_NONCE,
+    MAX_PAGE_ID,
+    MAX_REASON_LEN,
+    MAX_TOKENS,
+    MessageError,
+    as_dict,
+    read_b64,
+    read_bool,
+    read_field,
+    read_int,
+    read_opt_int,
+    read_opt_logprob,
+    read_page_ids,
+    read_str,
+    read_top_logprobs,
+)
 
 # -- pool descriptor -----------------------------------------------------------------------------
 
@@ -159,17 +55,66 @@ class PoolDescMsg:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PoolDescMsg:
-        d = _as_dict(d)
-        mem_type = _str(d, "mem_type", max_len=16)
+        d = as_dict(d)
+        mem_type = read_str(d, "mem_type", max_len=16)
         if mem_type not in ("DRAM", "VRAM"):
             raise MessageError(f"unsupported mem_type {mem_type!r}")
         return cls(
-            base_address=_int(d, "base_address", 1, (1 << 64) - 1),
-            page_bytes=_int(d, "page_bytes", 1, 1 << 34),
-            num_pages=_int(d, "num_pages", 1, MAX_PAGE_ID),
-            device_id=_int(d, "device_id", 0, 1 << 16),
+            base_address=read_int(d, "base_address", 1, (1 << 64) - 1),
+            page_bytes=read_int(d, "page_bytes", 1, 1 << 34),
+            num_pages=read_int(d, "num_pages", 1, MAX_PAGE_ID),
+            device_id=read_int(d, "device_id", 0, 1 << 16),
             mem_type=mem_type,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayoutMsg:
+    """What must match for one engine's KV pages to be another's: the model and the page layout.
+
+    ``model`` is the served model name, ``fingerprint`` a hash of the checkpoint's architecture
+    config (``pdserve.transport.layout.model_fingerprint``), ``dtype`` the KV dtype's torch name
+    (``"bfloat16"``). Equal page bytes are not enough: bf16 and fp16 pages, or 32 layers x 8 heads
+    and 64 layers x 4 heads, have the same size and would pair up into garbage.
+    """
+
+    model: str
+    fingerprint: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    page_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayoutMsg:
+        d = as_dict(d)
+        ints = {k: read_int(d, k, 1, 1 << 20) for k in ("num_layers", "num_kv_heads", "head_dim")}
+        return cls(
+            model=_read_opt_str(d, "model"),
+            fingerprint=_read_opt_str(d, "fingerprint"),
+            dtype=read_str(d, "dtype", max_len=32),
+            page_size=read_int(d, "page_size", 1, 1 << 20),
+            page_bytes=read_int(d, "page_bytes", 1, 1 << 34),
+            **ints,
+        )
+
+    def mismatches(self, other: KVLayoutMsg, us: str = "ours", them: str = "theirs") -> list[str]:
+        """``"field (ours X, theirs Y)"`` for each field that differs (empty: compatible)."""
+        a, b = self.to_dict(), other.to_dict()
+        return [f"{k} ({us} {a[k]!r}, {them} {b[k]!r})" for k in a if a[k] != b[k]]
+
+
+def _read_opt_str(d: dict[str, Any], key: str) -> str:
+    """A string field that may be empty (an engine without a model name, e.g. in tests)."""
+    value = read_field(d, key)
+    if not isinstance(value, str) or len(value) > 256:
+        raise MessageError(f"{key!r} must be a string of at most 256 characters")
+    return value
 
 
 # -- decode -> prefill (HTTP) --------------------------------------------------------------------
@@ -184,6 +129,7 @@ class RegisterMsg:
     agent_name: str
     metadata: bytes  # get_agent_metadata(); base64 on the wire
     descriptor: PoolDescMsg
+    layout: KVLayoutMsg  # checked against the prefill's before anything is loaded
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -192,16 +138,18 @@ class RegisterMsg:
             "agent_name": self.agent_name,
             "metadata_b64": base64.b64encode(self.metadata).decode("ascii"),
             "descriptor": self.descriptor.to_dict(),
+            "layout": self.layout.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RegisterMsg:
         return cls(
-            engine_id=_str(d, "engine_id"),
-            incarnation=_str(d, "incarnation"),
-            agent_name=_str(d, "agent_name"),
-            metadata=_b64(d, "metadata_b64", MAX_METADATA_BYTES),
-            descriptor=PoolDescMsg.from_dict(_field(d, "descriptor")),
+            engine_id=read_str(d, "engine_id"),
+            incarnation=read_str(d, "incarnation"),
+            agent_name=read_str(d, "agent_name"),
+            metadata=read_b64(d, "metadata_b64", MAX_METADATA_BYTES),
+            descriptor=PoolDescMsg.from_dict(read_field(d, "descriptor")),
+            layout=KVLayoutMsg.from_dict(read_field(d, "layout")),
         )
 
 
@@ -217,7 +165,7 @@ class HeartbeatMsg:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HeartbeatMsg:
-        return cls(engine_id=_str(d, "engine_id"), incarnation=_str(d, "incarnation"))
+        return cls(engine_id=read_str(d, "engine_id"), incarnation=read_str(d, "incarnation"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,9 +182,9 @@ class RegisterReplyMsg:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RegisterReplyMsg:
         return cls(
-            engine_id=_str(d, "engine_id"),
-            incarnation=_str(d, "incarnation"),
-            agent_name=_str(d, "agent_name"),
+            engine_id=read_str(d, "engine_id"),
+            incarnation=read_str(d, "incarnation"),
+            agent_name=read_str(d, "agent_name"),
         )
 
 
@@ -263,12 +211,12 @@ class RoomMsg:
     @classmethod
     def from_dict(cls, d: dict[str, Any], max_pages: int = DEFAULT_MAX_PAGES) -> RoomMsg:
         return cls(
-            engine_id=_str(d, "engine_id"),
-            incarnation=_str(d, "incarnation"),
-            nonce=_int(d, "nonce", 0, MAX_NONCE),
-            page_ids=_page_ids(d, "page_ids", max_pages),
-            num_tokens=_int(d, "num_tokens", 1, MAX_TOKENS),
-            num_cached_pages=_opt_int(d, "num_cached_pages", 0, MAX_PAGE_ID) or 0,
+            engine_id=read_str(d, "engine_id"),
+            incarnation=read_str(d, "incarnation"),
+            nonce=read_int(d, "nonce", 0, MAX_NONCE),
+            page_ids=read_page_ids(d, "page_ids", max_pages),
+            num_tokens=read_int(d, "num_tokens", 1, MAX_TOKENS),
+            num_cached_pages=read_opt_int(d, "num_cached_pages", 0, MAX_PAGE_ID) or 0,
         )
 
 
@@ -287,10 +235,10 @@ class AbortMsg:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AbortMsg:
         return cls(
-            engine_id=_str(d, "engine_id"),
-            incarnation=_str(d, "incarnation"),
-            nonce=_int(d, "nonce", 0, MAX_NONCE),
-            reason=_str(d, "reason", max_len=MAX_REASON_LEN),
+            engine_id=read_str(d, "engine_id"),
+            incarnation=read_str(d, "incarnation"),
+            nonce=read_int(d, "nonce", 0, MAX_NONCE),
+            reason=read_str(d, "reason", max_len=MAX_REASON_LEN),
         )
 
 
@@ -312,9 +260,9 @@ class AbortReplyMsg:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AbortReplyMsg:
         return cls(
-            engine_id=_str(d, "engine_id"),
-            incarnation=_str(d, "incarnation"),
-            is_acked=_bool(d, "is_acked"),
+            engine_id=read_str(d, "engine_id"),
+            incarnation=read_str(d, "incarnation"),
+            is_acked=read_bool(d, "is_acked"),
         )
 
 
@@ -332,9 +280,9 @@ class HeartbeatReplyMsg:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HeartbeatReplyMsg:
         return cls(
-            engine_id=_str(d, "engine_id"),
-            incarnation=_str(d, "incarnation"),
-            is_known=_bool(d, "is_known"),
+            engine_id=read_str(d, "engine_id"),
+            incarnation=read_str(d, "incarnation"),
+            is_known=read_bool(d, "is_known"),
         )
 
 
@@ -365,16 +313,16 @@ class DataNotifMsg:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DataNotifMsg:
         msg = cls(
-            room_id=_str(d, "room_id"),
-            nonce=_int(d, "nonce", 0, MAX_NONCE),
-            incarnation=_str(d, "incarnation"),
-            chunk=_int(d, "chunk", 0, MAX_PAGE_ID),
-            is_last=_bool(d, "is_last"),
-            num_pages=_int(d, "num_pages", 1, MAX_PAGE_ID),
-            first_token=_opt_int(d, "first_token", 0, MAX_TOKENS),
-            checksum=_opt_int(d, "checksum", 0, MAX_NONCE),
-            first_logprob=_opt_logprob(d, "first_logprob"),
-            first_top_logprobs=_top_logprobs(d, "first_top_logprobs"),
+            room_id=read_str(d, "room_id"),
+            nonce=read_int(d, "nonce", 0, MAX_NONCE),
+            incarnation=read_str(d, "incarnation"),
+            chunk=read_int(d, "chunk", 0, MAX_PAGE_ID),
+            is_last=read_bool(d, "is_last"),
+            num_pages=read_int(d, "num_pages", 1, MAX_PAGE_ID),
+            first_token=read_opt_int(d, "first_token", 0, MAX_TOKENS),
+            checksum=read_opt_int(d, "checksum", 0, MAX_NONCE),
+            first_logprob=read_opt_logprob(d, "first_logprob"),
+            first_top_logprobs=read_top_logprobs(d, "first_top_logprobs"),
         )
         if msg.is_last and msg.first_token is None:
             raise MessageError("the last chunk must carry first_token")
@@ -397,11 +345,11 @@ class AbortNotifMsg:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AbortNotifMsg:
         return cls(
-            room_id=_str(d, "room_id"),
-            nonce=_int(d, "nonce", 0, MAX_NONCE),
-            incarnation=_str(d, "incarnation"),
-            reason=_str(d, "reason", max_len=MAX_REASON_LEN),
-            is_fenced=_bool(d, "is_fenced"),
+            room_id=read_str(d, "room_id"),
+            nonce=read_int(d, "nonce", 0, MAX_NONCE),
+            incarnation=read_str(d, "incarnation"),
+            reason=read_str(d, "reason", max_len=MAX_REASON_LEN),
+            is_fenced=read_bool(d, "is_fenced"),
         )
 
 
@@ -411,7 +359,7 @@ _NOTIF_TYPES: dict[str, Any] = {"data": DataNotifMsg, "abort": AbortNotifMsg}
 def decode_notif(payload: bytes) -> DataNotifMsg | AbortNotifMsg:
     """Parse a NIXL notification payload; raises MessageError."""
     try:
-        raw = _as_dict(orjson.loads(payload))
+        raw = as_dict(orjson.loads(payload))
     except orjson.JSONDecodeError as e:
         raise MessageError(f"invalid notification JSON: {e}") from None
     kind = raw.get("t")
@@ -419,39 +367,3 @@ def decode_notif(payload: bytes) -> DataNotifMsg | AbortNotifMsg:
     if cls is None:
         raise MessageError(f"unknown notification type {raw.get('t')!r}")
     return cls.from_dict(raw)
-
-
-def error_body(code: str, message: str) -> bytes:
-    """The JSON body of every bootstrap error response."""
-    return orjson.dumps({"error": {"code": code, "message": message}})
-
-
-# -- optional page checksum ----------------------------------------------------------------------
-
-_CHECKSUM_MASK = (1 << 63) - 1
-
-
-def page_checksum(kv: torch.Tensor, page_ids: list[int]) -> int:
-    """Order-sensitive checksum of pages ``page_ids`` of a page-major KV tensor (vectorized).
-
-    Per-page sums of the pages' 32-bit (or 16-bit) words, weighted by the page's position in the
-    list, so a wrong page, a swapped pair or garbage all change it. Fits the wire's 63 bits.
-    """
-    idx = torch.tensor(page_ids, dtype=torch.long, device=kv.device)
-    flat = kv.index_select(0, idx).reshape(len(page_ids), -1).view(torch.uint8)
-    word = torch.int32 if flat.shape[1] % 4 == 0 else torch.int16
-    sums = flat.view(word).sum(dim=1, dtype=torch.int64)
-    weights = torch.arange(1, len(page_ids) + 1, dtype=torch.int64, device=kv.device) * 0x9E3779B1
-    return int((sums * weights).sum().item()) & _CHECKSUM_MASK
-
-
-async def page_checksum_off_loop(kv: torch.Tensor, page_ids: list[int]) -> int:
-    """:func:`page_checksum` on an executor thread (torch releases the GIL), on one torch thread
-    there: a second OpenMP thread team in the process would slow every model step (see
-    pdserve/engine/runner_thread.py)."""
-
-    def one_thread() -> int:
-        torch.set_num_threads(1)  # this thread's own OpenMP setting; the runner's is unchanged
-        return page_checksum(kv, page_ids)
-
-    return await asyncio.to_thread(one_thread)

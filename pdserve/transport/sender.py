@@ -3,12 +3,11 @@
 A sender room opens from either end: the engine's :meth:`KVSender.open_room` (request arrived)
 or the decode's ``POST /rooms/{id}`` (destination pages); the second contact attaches to the
 room the first created. The transfer starts once both the destination pages and the engine's
-:meth:`KVSender.send` are there. Each chunk is one NIXL WRITE with its ``DataNotifMsg``
-attached, so the receiver's signal can never overtake the data.
+:meth:`KVSender.send` are there; the writes themselves are :mod:`pdserve.transport.writer`'s.
 
-A room's *write window* is open from the first chunk until its task ends (delay faults sit
-inside it). The window is what aborts wait for: the source pages go back to the engine and a
-decode-side abort is acked only once no write for that room can still land.
+A room's *write window* is open from the start of its transfer until its task ends. The window
+is what aborts wait for: the source pages go back to the engine and a decode-side abort is
+acked only once no write for that room can still land.
 """
 
 from __future__ import annotations
@@ -21,10 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.fsm import (
-    BEGIN_TRANSFER,
     BOOTSTRAPPED,
-    CHUNK_SENT,
-    TRANSFER_DONE,
     DuplicateRoomError,
     Room,
     RoomSide,
@@ -32,24 +28,27 @@ from pdserve.fsm import (
     RoomTable,
 )
 from pdserve.kernels.kv_cache import KVPagePool
+from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
 from pdserve.transport.bootstrap import BootstrapServer, ProtocolError
 from pdserve.transport.config import TransportConfig, peer_key
 from pdserve.transport.faults import maybe_injector
-from pdserve.transport.liveness import DecodePeer, DecodePeerManager
+from pdserve.transport.layout import layout_of
+from pdserve.transport.liveness import DecodePeerManager
 from pdserve.transport.messages import (
     AbortMsg,
     AbortNotifMsg,
     AbortReplyMsg,
-    DataNotifMsg,
     HeartbeatMsg,
     HeartbeatReplyMsg,
     RegisterMsg,
     RegisterReplyMsg,
     RoomMsg,
-    encode,
-    page_checksum_off_loop,
 )
-from pdserve.transport.nixl_agent import KVAgent, PoolDescriptor, TransferError
+from pdserve.transport.nixl_agent import KVAgent, TransferError
+from pdserve.transport.observer import TransferObserver
+from pdserve.transport.registrar import PeerRegistrar
+from pdserve.transport.wire import encode
+from pdserve.transport.writer import RoomWriter
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +64,8 @@ class SenderStats:
     rooms_sent: int = 0  # rooms whose last chunk landed
     bytes_sent: int = 0
     chunks_sent: int = 0
-    transfer_latency_s_sum: float = 0.0  # begin_transfer -> last chunk DONE
-    transfer_latency_count: int = 0
     transfer_errors: int = 0
+    kv_not_ready: int = 0  # rooms failed because their KV never became ready on the device
     peers_registered: int = 0
     peers_lost: int = 0
     aborts_sent: int = 0  # AbortNotifMsg sent to decode (both fenced and not)
@@ -87,22 +85,25 @@ class KVSender:
         config: TransportConfig,
         pool: KVPagePool,
         on_release: Callable[[str, list[int]], None],
+        observer: TransferObserver | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.table = RoomTable(RoomSide.SENDER, config.deadlines, on_release=self._on_room_release)
         self.peers = DecodePeerManager(config.peer_lost_after_s)
         self._on_release = on_release
-        self._faults = maybe_injector(config.faults)
+        self.faults = maybe_injector(config.faults)
         self._server = BootstrapServer(
             self, config.bootstrap_host, config.bootstrap_port, config.max_room_pages
         )
-        self._counters = SenderStats()
+        self.counters = SenderStats()
+        self.layout = layout_of(pool, config.model_name, config.model_fingerprint)
         self._agent: KVAgent | None = None
-        self._writes: dict[tuple[str, int], Room] = {}  # (decode peer key, nonce) -> room
+        self._writer = RoomWriter(self, observer or TransferObserver())
+        self.writes = self._writer.writes  # (decode peer key, nonce) -> room, window open
+        self.registrar = PeerRegistrar(self)
         self._recent_aborts: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._peer_lock = asyncio.Lock()
         self._sweeper: asyncio.Task[None] | None = None
         self._is_stopping = False
 
@@ -126,7 +127,7 @@ class KVSender:
         self._agent = KVAgent(self.config.peer_key, self.pool, loop, self._on_notif)
         self._agent.start()
         await self._server.start()
-        self._sweeper = loop.create_task(self._sweep_loop(), name="kv-sender-liveness")
+        self._sweeper = loop.create_task(self.registrar.sweep_loop(), name="kv-sender-liveness")
         logger.info(
             "sender %s started, bootstrap port %d", self.config.peer_key, self.bootstrap_port
         )
@@ -157,13 +158,13 @@ class KVSender:
         room = self.table.get(room_id)
         if room is not None:
             if room.data.get("opened"):
-                self._counters.duplicate_rejected += 1
+                self.counters.duplicate_rejected += 1
                 raise DuplicateRoomError(f"room {room_id!r} is already open on the sender")
             room.request_id = request_id
         else:
             room = self.table.create(room_id, request_id=request_id)
         room.data["opened"] = True
-        self._counters.rooms_opened += 1
+        self.counters.rooms_opened += 1
         aborted = self._recent_aborts.pop(room_id, None)
         if aborted is not None:  # the decode gave up on it before the request got here
             self.table.fail(room_id, aborted[1])
@@ -178,11 +179,14 @@ class KVSender:
         first_token: int,
         first_logprob: float | None = None,
         first_top_logprobs: tuple[tuple[int, float], ...] = (),
+        kv_ready: KVReady = ALWAYS_READY,
     ) -> bool:
         """Hand the prefilled KV pages of a live room to the transport (it now owns them).
 
         The first token (and its logprobs, if asked for) travel in the last chunk's notification.
-        Returns False, leaving the pages with the caller, when the room is no longer live.
+        No WRITE is posted before ``kv_ready`` completed (the forward that wrote the pages is
+        done on the device). Returns False, leaving the pages with the caller, when the room is
+        no longer live.
         """
         room = self.table.get(room_id)
         if room is None:
@@ -196,6 +200,7 @@ class KVSender:
         room.data["first_token"] = first_token
         room.data["first_logprob"] = first_logprob
         room.data["first_top_logprobs"] = tuple(first_top_logprobs)
+        room.data["kv_ready"] = kv_ready
         if room.state == _WAITING:
             self._begin(room)
         return True
@@ -207,21 +212,21 @@ class KVSender:
     @property
     def stats(self) -> dict[str, int | float]:
         """Counters of this sender, its server, its faults, and its live rooms."""
-        out: dict[str, int | float] = asdict(self._counters)
+        out: dict[str, int | float] = asdict(self.counters)
         server = self._server.stats
         out.update(bad_requests=server.bad_requests, http_requests=server.requests)
         out["num_peers"] = len(self.peers.peers())
-        out["num_writes_outstanding"] = len(self._writes)
+        out["num_writes_outstanding"] = len(self.writes)
         out["num_live_rooms"] = len(self.table)
-        if self._faults is not None:
-            out.update({f"fault_{k}": v for k, v in asdict(self._faults.stats).items()})
+        if self.faults is not None:
+            out.update({f"fault_{k}": v for k, v in asdict(self.faults.stats).items()})
         return out
 
     def debug_peers(self) -> list[dict[str, Any]]:
         """Registered decode peers with their room and write counts."""
         now = asyncio.get_running_loop().time()
         rooms = [r.peer for r in self.table.rooms()]
-        writes = [k[0] for k in self._writes]
+        writes = [k[0] for k in self.writes]
         return [
             {
                 **p.debug_dict(now),
@@ -235,54 +240,26 @@ class KVSender:
 
     async def on_register(self, msg: RegisterMsg) -> RegisterReplyMsg:
         """A decode incarnation registers; a new incarnation replaces (and fails) the old one."""
-        key = peer_key(msg.engine_id, msg.incarnation)
         self._check_open()
-        self._check_register(msg, key)
-        async with self._peer_lock:  # one NIXL peer operation at a time
-            self.peers.check_not_stale(msg.engine_id, msg.incarnation)
-            now = asyncio.get_running_loop().time()
-            current = self.peers.get(msg.engine_id)
-            if current is not None and current.incarnation == msg.incarnation:
-                current.last_seen = now  # a retried registration: idempotent
-                return self._register_reply()
-            if not self.agent.has_peer(key):
-                await self._add_agent_peer(msg, key)
-            peer = DecodePeer(msg.engine_id, msg.incarnation, key, msg.descriptor, now, now)
-            old = self.peers.add(peer)
-        self._counters.peers_registered += 1
-        logger.info("decode peer %s registered (%d pages)", key, msg.descriptor.num_pages)
-        if old is not None:
-            self._lose_peer(old.key, f"peer_lost: restarted as {msg.incarnation}", True)
-        return self._register_reply()
-
-    async def _add_agent_peer(self, msg: RegisterMsg, key: str) -> None:
-        descriptor = PoolDescriptor(**msg.descriptor.to_dict())
-        try:
-            await asyncio.wait_for(
-                self.agent.add_peer(key, msg.metadata, descriptor), self.config.request_timeout_s
-            )
-        except TimeoutError:
-            raise ProtocolError(503, "register_timeout", f"adding {key} timed out") from None
-        except (TransferError, ValueError) as e:  # metadata NIXL cannot load, or not this agent
-            raise ProtocolError(400, "bad_metadata", f"{key}: {e}") from None
+        return await self.registrar.register(msg)
 
     def on_room(self, room_id: str, msg: RoomMsg) -> None:
         """Destination pages of a room: create it or attach to the engine's room."""
         self._check_open()
-        peer = self._require_peer(msg.engine_id, msg.incarnation)
+        peer = self.registrar.require(msg.engine_id, msg.incarnation)
         if max(msg.page_ids) >= peer.descriptor.num_pages:
             raise ProtocolError(
                 400, "bad_page_ids", f"page id beyond the decode pool ({peer.descriptor.num_pages})"
             )
         aborted = self._recent_aborts.get(room_id)
         if aborted is not None:
-            self._counters.late_rejected += 1
+            self.counters.late_rejected += 1
             raise ProtocolError(410, "aborted", f"room {room_id!r} already ended: {aborted[1]}")
         room = self.table.get(room_id)
         if room is None:
             room = self.table.create(room_id, peer=peer.key)
         elif "dst" in room.data:
-            self._counters.duplicate_rejected += 1
+            self.counters.duplicate_rejected += 1
             raise ProtocolError(409, "duplicate_room", f"room {room_id!r} already has its pages")
         else:
             self.table.bind_peer(room_id, peer.key)
@@ -295,10 +272,10 @@ class KVSender:
 
     def on_abort(self, room_id: str, msg: AbortMsg) -> AbortReplyMsg:
         """The decode aborted its room (or asks again whether the fence can lift)."""
-        self._check_stale(msg.engine_id, msg.incarnation)
+        self.registrar.check_stale(msg.engine_id, msg.incarnation)
         key = peer_key(msg.engine_id, msg.incarnation)
-        self._touch(msg.engine_id, msg.incarnation)
-        self._counters.aborts_received += 1
+        self.registrar.touch(msg.engine_id, msg.incarnation)
+        self.counters.aborts_received += 1
         room = self.table.get(room_id)
         reason = f"aborted: by decode ({msg.reason})"
         if room is not None and room.data.get("nonce", msg.nonce) == msg.nonce:
@@ -307,131 +284,30 @@ class KVSender:
                 self.table.fail(room_id, reason)
         elif room is None:
             self._remember_abort(room_id, reason)
-        is_acked = (key, msg.nonce) not in self._writes
+        is_acked = (key, msg.nonce) not in self.writes
         if not is_acked:
-            self._counters.acks_deferred += 1
+            self.counters.acks_deferred += 1
         return AbortReplyMsg(self.config.engine_id, self.config.incarnation, is_acked)
 
     def on_heartbeat(self, msg: HeartbeatMsg) -> HeartbeatReplyMsg:
         """Record the decode's liveness; tell it whether we still know this incarnation."""
-        self._check_stale(msg.engine_id, msg.incarnation)
-        is_known = self._touch(msg.engine_id, msg.incarnation)
+        self.registrar.check_stale(msg.engine_id, msg.incarnation)
+        is_known = self.registrar.touch(msg.engine_id, msg.incarnation)
         return HeartbeatReplyMsg(self.config.engine_id, self.config.incarnation, is_known)
 
-    # -- transfer ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _src(room: Room) -> list[int]:
-        """The pages to write: the room's, less the leading ones the decode has cached."""
-        return room.page_ids[room.data.get("skip", 0) :]
+    # -- transfer (the writes themselves: pdserve.transport.writer) --------------------------
 
     def _begin(self, room: Room) -> None:
-        src, dst = self._src(room), room.data["dst"]
-        if not src:
-            self.table.fail(
-                room.room_id,
-                f"transfer_error: decode holds {room.data['skip']} of {len(room.page_ids)} "
-                "pages cached, nothing left to send",
-            )
-            return
-        if len(src) > len(dst):
-            self.table.fail(
-                room.room_id, f"transfer_error: {len(src)} pages to send, decode posted {len(dst)}"
-            )
-            return
-        if self.table.fire(room.room_id, BEGIN_TRANSFER):
-            room.data["writing"] = True  # the write window opens now, before any await
-            room.data["registration"] = self.peers.by_key(room.peer or "")
-            self._writes[(room.peer, room.data["nonce"])] = room
-            counters = self._counters
-            counters.peak_writes_outstanding = max(
-                counters.peak_writes_outstanding, len(self._writes)
-            )
-            self._spawn(self._transfer(room), f"kv-send-{room.room_id}")
+        self._writer.begin(room)
 
-    async def _transfer(self, room: Room) -> None:
-        write_key = (room.peer, room.data["nonce"])
-        started = asyncio.get_running_loop().time()
-        try:
-            await self._write_chunks(room)
-            if not room.is_terminal:
-                self._fire(room, TRANSFER_DONE)
-                self._record_success(room, started)
-        except TransferError as e:
-            self._counters.transfer_errors += 1
-            logger.warning("room=%s req=%s transfer failed: %s", room.room_id, room.request_id, e)
-            # Only the registration this write went to is suspect: a late error (the write
-            # outlived a loss) must not take down a re-registration of the same peer.
-            registration = room.data.get("registration")
-            if registration is not None and self.peers.by_key(registration.key) is registration:
-                self._lose_peer(registration.key, f"transfer_error: {e}")
-            else:
-                self._fail_if_live(room, f"transfer_error: {e}")
-        except ValueError as e:  # bad page lists: this room's problem, not the peer's
-            self._counters.transfer_errors += 1
-            self._fail_if_live(room, f"transfer_error: {e}")
-        finally:
-            self._writes.pop(write_key, None)
-            room.data["writing"] = False
-            self._after_write(room)
-
-    async def _write_chunks(self, room: Room) -> None:
-        src = self._src(room)
-        dst = room.data["dst"][: len(src)]
-        step = self.config.max_chunk_pages or len(src)
-        bounds = list(range(0, len(src), step))
-        for chunk, lo in enumerate(bounds):
-            delay = self._faults.chunk_delay_s() if self._faults is not None else 0.0
-            if delay:
-                await asyncio.sleep(delay)  # injected fault: widens the write window
-            is_last = chunk == len(bounds) - 1
-            hi = lo + step
-            notif = await self._data_notif(room, chunk, is_last, min(hi, len(src)))
-            if room.is_terminal:  # aborted between chunks: the rest is never written
-                return
-            if self._faults is not None and self._faults.should_fail_transfer():
-                raise TransferError("fault injection: transfer failed")
-            await self.agent.write(room.data["agent"], src[lo:hi], dst[lo:hi], encode(notif))
-            self._counters.chunks_sent += 1
-            self._counters.bytes_sent += len(src[lo:hi]) * self.pool.page_bytes
-            if not is_last:
-                self._fire(room, CHUNK_SENT)
-
-    async def _data_notif(
-        self, room: Room, chunk: int, is_last: bool, num_pages: int
-    ) -> DataNotifMsg:
-        checksum = None
-        if is_last and self.config.checksum:
-            checksum = await page_checksum_off_loop(self.pool.kv, self._src(room))
-        return DataNotifMsg(
-            room_id=room.room_id,
-            nonce=room.data["nonce"],
-            incarnation=self.config.incarnation,
-            chunk=chunk,
-            is_last=is_last,
-            num_pages=num_pages,
-            first_token=room.data["first_token"] if is_last else None,
-            checksum=checksum,
-            first_logprob=room.data["first_logprob"] if is_last else None,
-            first_top_logprobs=room.data["first_top_logprobs"] if is_last else (),
-        )
-
-    def _record_success(self, room: Room, started: float) -> None:
-        self._counters.rooms_sent += 1
-        self._counters.transfer_latency_s_sum += asyncio.get_running_loop().time() - started
-        self._counters.transfer_latency_count += 1
-        peer = room.peer
-        if peer is not None and self._faults is not None and self._faults.should_drop_peer(peer):
-            self._lose_peer(peer, "peer_lost: fault injection")
-
-    def _after_write(self, room: Room) -> None:
+    def after_write(self, room: Room) -> None:
         """The room's write window closed: release what waited for it."""
         if room.is_terminal:
             if room.state == _FAILED and self._should_notify(room):
                 self._notify_abort(room, is_fenced=True)
-            self._release_src(room)
+            self.release_src(room)
         if room.peer is not None and self.peers.by_key(room.peer) is None:
-            self._spawn(self._remove_agent(room.peer), f"kv-forget-{room.peer}")
+            self.spawn(self.registrar.remove_agent(room.peer), f"kv-forget-{room.peer}")
 
     # -- room release, aborts, peers -----------------------------------------------------------
 
@@ -447,9 +323,9 @@ class KVSender:
             return
         if room.state == _FAILED and self._should_notify(room):
             self._notify_abort(room, is_fenced=True)
-        self._release_src(room)
+        self.release_src(room)
 
-    def _release_src(self, room: Room) -> None:
+    def release_src(self, room: Room) -> None:
         if not room.page_ids or room.data.get("released"):
             return
         room.data["released"] = True
@@ -467,8 +343,8 @@ class KVSender:
         msg = AbortNotifMsg(
             room.room_id, room.data["nonce"], self.config.incarnation, room.reason or "", is_fenced
         )
-        self._counters.aborts_sent += 1
-        self._spawn(self._send_notif(room.data["agent"], msg), f"kv-abort-{room.room_id}")
+        self.counters.aborts_sent += 1
+        self.spawn(self._send_notif(room.data["agent"], msg), f"kv-abort-{room.room_id}")
 
     async def _send_notif(self, agent_name: str, msg: AbortNotifMsg) -> None:
         try:
@@ -478,58 +354,17 @@ class KVSender:
         except (TransferError, TimeoutError) as e:  # the decode's fence retries cover a loss
             logger.info("room=%s abort notification to %s failed: %s", msg.room_id, agent_name, e)
 
-    def _lose_peer(self, key: str, reason: str, is_replaced: bool = False) -> None:
-        """Forget a decode incarnation: fail its rooms, free src pages, drop its NIXL metadata."""
-        if self.peers.remove(key) is None and not is_replaced:
-            return  # already forgotten (its rooms failed then; new ones cannot bind to it)
-        self._counters.peers_lost += 1
-        for room in self.table.rooms():
-            if room.peer == key:
-                room.data["peer_gone"] = True
-        self.table.fail_peer(key, reason)
-        for (peer, _), room in list(self._writes.items()):
-            if peer == key:  # a dead peer's memory cannot hurt our pages: no need to wait
-                self._release_src(room)
-        logger.warning("decode peer %s lost: %s", key, reason)
-        self._spawn(self._remove_agent(key), f"kv-forget-{key}")
-
-    async def _remove_agent(self, key: str) -> None:
-        async with self._peer_lock:
-            if self.peers.by_key(key) is not None or any(p == key for p, _ in self._writes):
-                return  # re-registered meanwhile, or a write still uses it (retried after it)
-            if self.agent.has_peer(key):
-                await self.agent.remove_peer(key)
-                logger.info("decode peer %s: NIXL metadata removed", key)
-
-    async def _sweep_loop(self) -> None:
-        period = self.config.heartbeat_interval_s / 4
-        loop = asyncio.get_running_loop()
-        expected = loop.time() + period
-        while True:
-            await asyncio.sleep(period)  # liveness sweep cadence
-            now = loop.time()
-            stalled = now - expected > self.config.heartbeat_interval_s
-            expected = now + period
-            if stalled:  # this loop was starved: heartbeats may be queued unread, judge next round
-                logger.warning("liveness sweep woke %.2fs late; not expiring peers this round",
-                               now - expected + period)  # fmt: skip
-                continue
-            for peer in self.peers.expired(now):
-                silent = now - peer.last_seen
-                self._lose_peer(peer.key, f"peer_lost: no heartbeat for {silent:.2f}s")
-            self._prune_aborts(now)
-
     # -- helpers -------------------------------------------------------------------------------
 
-    def _fail_if_live(self, room: Room, reason: str) -> None:
+    def fail_if_live(self, room: Room, reason: str) -> None:
         if self.table.get(room.room_id) is room:
             self.table.fail(room.room_id, reason)
 
-    def _fire(self, room: Room, trigger: str) -> bool:
+    def fire(self, room: Room, trigger: str) -> bool:
         # By object, not id: a new room may reuse the id of one that ended meanwhile.
         return self.table.get(room.room_id) is room and self.table.fire(room.room_id, trigger)
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    def spawn(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -538,9 +373,10 @@ class KVSender:
         now = asyncio.get_running_loop().time()
         self._recent_aborts[room_id] = (now + self.config.deadlines.bootstrapping_s, reason)
         self._recent_aborts.move_to_end(room_id)
-        self._prune_aborts(now)
+        self.prune_aborts(now)
 
-    def _prune_aborts(self, now: float) -> None:
+    def prune_aborts(self, now: float) -> None:
+        """Forget aborted room ids past their window (and beyond ``max_recent_aborts``)."""
         recent = self._recent_aborts
         while recent and (
             len(recent) > self.config.max_recent_aborts or next(iter(recent.values()))[0] < now
@@ -550,38 +386,6 @@ class KVSender:
     def _check_open(self) -> None:
         if self._is_stopping:
             raise ProtocolError(503, "shutting_down", f"{self.config.peer_key} is stopping")
-
-    def _check_register(self, msg: RegisterMsg, key: str) -> None:
-        if msg.agent_name != key:
-            raise ProtocolError(400, "bad_agent_name", f"agent_name must be {key!r}")
-        if msg.descriptor.page_bytes != self.pool.page_bytes:
-            raise ProtocolError(
-                400,
-                "page_size_mismatch",
-                f"decode pages are {msg.descriptor.page_bytes} B, ours {self.pool.page_bytes} B",
-            )
-
-    def _check_stale(self, engine_id: str, incarnation: str) -> None:
-        try:
-            self.peers.check_not_stale(engine_id, incarnation)
-        except ProtocolError:
-            self._counters.stale_rejected += 1
-            raise
-
-    def _require_peer(self, engine_id: str, incarnation: str) -> DecodePeer:
-        self._check_stale(engine_id, incarnation)
-        return self.peers.require(engine_id, incarnation, asyncio.get_running_loop().time())
-
-    def _touch(self, engine_id: str, incarnation: str) -> bool:
-        peer = self.peers.get(engine_id)
-        if peer is None or peer.incarnation != incarnation:
-            return False
-        peer.last_seen = asyncio.get_running_loop().time()
-        return True
-
-    def _register_reply(self) -> RegisterReplyMsg:
-        cfg = self.config
-        return RegisterReplyMsg(cfg.engine_id, cfg.incarnation, cfg.peer_key)
 
     def _on_notif(self, agent_name: str, payload: bytes) -> None:
         # The decode side talks to us over HTTP only; anything arriving here is unexpected.

@@ -43,12 +43,14 @@ class ByteTokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         # Like many real templates: refuse to open an assistant turn after an assistant turn.
         if add_generation_prompt and messages and messages[-1]["role"] == "assistant":
             raise ValueError("the conversation must not end with an assistant message")
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        # Extra variables (tools, chat_template_kwargs) show up as a header, sorted by name.
+        head = "".join(f"[{k}={len(v) if k == 'tools' else v}]" for k, v in sorted(extra.items()))
+        text = head + "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

@@ -67,7 +67,7 @@ def test_messages_roles_and_content_shapes() -> None:
         ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
         ([{"role": "user", "content": "x", "mood": "ok"}], "messages[0].mood"),
         (
-            [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}],
+            [{"role": "user", "content": "", "tool_calls": [{"id": "c"}]}],
             "messages[0].tool_calls",
         ),
         (["hi"], "messages[0]"),

@@ -23,7 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
+from pdserve.model.config import ModelConfig
 from pdserve.transport import KVAgent
+from pdserve.transport.layout import layout_of, model_fingerprint
 from pdserve.transport.messages import PoolDescMsg, RegisterMsg
 from tests.e2e.conftest import (
     Cluster,
@@ -93,7 +95,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     # The victim room of the bootstrap test ends by this deadline (the prefill's is 60 s).
     victim_deadline = ["--timeout-waiting-for-input", str(VICTIM_DEADLINE_S)]
     dec = worker(tmp, "decode-0", "decode", demo_model_dir, *flags, *victim_deadline)
-    rt = router(tmp, [pre], [dec], "--api-key", KEY, "--max-body-bytes", str(MAX_BODY))
+    rt = router(tmp, [pre], [dec], "--api-key", KEY, "--max-body-kb", str(MAX_BODY // 1024))
     c = Cluster(pre, dec, rt)
     assign_distinct_ports(c.procs)
     for p in c.procs:
@@ -236,19 +238,22 @@ class Rogue:
 
     def __init__(self, model_dir: Path, incarnation: str) -> None:
         cfg = json.loads((model_dir / "config.json").read_text())
-        # The workers' page size and dtype (defaults): the prefill checks page_bytes.
+        # The workers' page size and dtype (defaults) and model identity: the prefill checks the
+        # whole layout at registration.
         kv = KVCacheConfig(
             cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"], num_pages=4
         )
         self.ident = {"engine_id": "rogue", "incarnation": incarnation}
         loop = asyncio.get_running_loop()
-        self.agent = KVAgent(f"rogue@{incarnation}", KVPagePool(kv), loop, lambda *_: None)
+        pool = KVPagePool(kv)
+        self.layout = layout_of(pool, "demo", model_fingerprint(ModelConfig.from_dir(model_dir)))
+        self.agent = KVAgent(f"rogue@{incarnation}", pool, loop, lambda *_: None)
         self.agent.start()
 
     def register_msg(self, **override: Any) -> dict[str, Any]:
         desc = PoolDescMsg.from_dict(self.agent.descriptor.to_json())
         msg = RegisterMsg(**self.ident, agent_name=self.agent.name, metadata=self.agent.metadata,
-                          descriptor=desc)  # fmt: skip
+                          descriptor=desc, layout=self.layout)  # fmt: skip
         return {**msg.to_dict(), **override}
 
     def room_msg(self, **override: Any) -> dict[str, Any]:
@@ -286,6 +291,8 @@ def _bootstrap_cases(
         ("not_its_name", "/register", reg(agent_name="someone@else"), 400, "bad_agent_name"),
         ("page_size", "/register", reg(descriptor={**reg()["descriptor"], "page_bytes": 8}),
          400, "page_size_mismatch"),
+        ("layout", "/register", reg(layout={**reg()["layout"], "dtype": "float16"}),
+         400, "layout_mismatch"),
         ("bad_metadata", "/register", reg(engine_id="evil", incarnation="1", agent_name="evil@1",
          metadata_b64="Z2FyYmFnZQ=="), 400, "bad_metadata"),
         ("room_not_object", f"/rooms/{fresh}", b"[1]", 400, "bad_request"),

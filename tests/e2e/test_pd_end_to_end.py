@@ -137,8 +137,14 @@ async def test_many_concurrent_requests_complete_and_gauges_return_to_zero(pd_cl
 
     counts = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(24))), timeout=300)
     assert counts == [4 + i % 9 for i in range(24)]
-    wait_idle(pd_cluster.prefill, "prefill")
+    m = wait_idle(pd_cluster.prefill, "prefill")
     wait_idle(pd_cluster.decode, "decode")
+    # Every room's transfer is in the histograms, its bytes as the transport counted them.
+    assert m['pdserve_kv_transfer_seconds_count{role="prefill"}'] >= 24
+    assert (
+        m['pdserve_kv_transfer_bytes_sum{role="prefill"}']
+        == m['pdserve_transport_bytes_sent_total{role="prefill"}']
+    )
     for proc in (pd_cluster.prefill, pd_cluster.decode):
         assert get_json(f"{proc.url}/debug/rooms")["data"] == []
         assert get_json(f"{proc.url}/debug/requests")["data"] == []

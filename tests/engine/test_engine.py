@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -12,6 +13,7 @@ from pdserve.engine.protocol import EngineError, GenerateOutput, GenerateRequest
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
+from tests.fakes import FakeReady
 
 
 async def started(runner: ModelRunner, **cfg: object) -> Engine:
@@ -230,3 +232,41 @@ async def test_start_measures_decode_threads_unless_they_are_given(demo_dir, mon
     engine = await started(fixed)
     await engine.stop()
     assert calls == [] and fixed.decode_threads == 2
+
+
+async def test_pages_freed_during_a_step_wait_for_its_kv_writes(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+):
+    """On a device the step's kernels may still write its pages after the host got its output:
+    pages freed meanwhile return to the allocator only once the step's marker completed."""
+    engine = await started(runner)
+    loop = asyncio.get_running_loop()
+    ready, in_step, go = FakeReady(), asyncio.Event(), threading.Event()
+    decode = runner.decode
+
+    def held_decode(seqs: list) -> object:
+        loop.call_soon_threadsafe(in_step.set)
+        assert go.wait(10.0)
+        out = decode(seqs)
+        out.kv_ready = ready
+        return out
+
+    monkeypatch.setattr(runner, "decode", held_decode)  # after start(): calibration is done
+    try:
+        sp = SamplingParams(max_tokens=50, ignore_eos=True)
+        gen = engine.generate(GenerateRequest("held", [1, 2, 3], sp))
+        await asyncio.wait_for(anext(gen), 10.0)
+        await asyncio.wait_for(in_step.wait(), 10.0)
+        assert await engine.abort("held")  # during the forward: the free is deferred
+        go.set()
+        deadline = loop.time() + 10.0
+        while ready.num_queries < 3:  # the step ended and its marker was polled, still pending
+            assert loop.time() < deadline, "the step's marker was never polled"
+            await asyncio.sleep(0.005)  # poll with a deadline
+        assert engine.allocator.num_free < engine.allocator.num_pages
+        ready.is_done = True
+        await assert_idle(engine)
+        await gen.aclose()
+    finally:
+        go.set()
+        await engine.stop()

@@ -4,15 +4,20 @@ rows that keep moving while a long prompt is prefilled."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.protocol import GenerateRequest
 from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.grammar import GrammarSpec
 from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.sampling_params import SamplingParams
 from tests.engine.test_engine import assert_idle, collect, tokens
+from tests.engine.test_engine_grammar import PATTERN, _compiler
 
 PAGE = 4
 GREEDY = dict(max_tokens=6, temperature=0, ignore_eos=True)
@@ -139,3 +144,52 @@ async def test_running_stream_gets_a_token_every_step_of_a_long_prompts_prefill(
         await assert_idle(engine)
     finally:
         await engine.stop()
+
+
+async def test_prompt_logprobs_cover_the_whole_prompt_with_cache_and_chunks_on(
+    f32_runner: ModelRunner,
+):
+    """A prompt-logprobs request is prefilled whole with no cached prefix: its entries are what
+    a plain whole prefill gives, though its prefix is cached and it exceeds the chunk budget."""
+    base = prompts()[0]
+    asked = dict(GREEDY, prompt_logprobs=0)
+    plain = await started(f32_runner, prefix_caching=False, chunked_prefill=False)
+    try:
+        expected = (await collect(plain, "p", base, **asked))[0].prompt_logprobs
+    finally:
+        await plain.stop()
+    engine = await started(f32_runner, max_prefill_tokens=8)
+    try:
+        await collect(engine, "warm", base, **GREEDY)  # caches its pages
+        outs = await collect(engine, "lp", base, **asked)
+        assert outs[-1].num_cached_tokens == 0
+        got = outs[0].prompt_logprobs
+        assert got is not None and expected is not None and len(got) == len(base)
+        assert got[0] is None and all(e is not None for e in got[1:])
+        assert [e.token_id for e in got[1:]] == base[1:]
+        assert [e.logprob for e in got[1:]] == pytest.approx([e.logprob for e in expected[1:]])
+        after = await collect(engine, "after", base, **GREEDY)
+        assert after[-1].num_cached_tokens > 0  # its pages were cached all the same
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_a_constrained_prompt_in_chunks_samples_what_it_samples_whole(
+    f32_runner: ModelRunner,
+):
+    """Chunks before the last discard their sampled token: the grammar must not see it."""
+    long_ids = [(5 * i) % 180 + 3 for i in range(30)]
+    texts = []
+    for chunked in (False, True):
+        engine = await started(f32_runner, max_prefill_tokens=8, chunked_prefill=chunked)
+        try:
+            sp = SamplingParams(max_tokens=30, temperature=0)
+            req = GenerateRequest(f"g{chunked}", long_ids, sp)
+            req.grammar = _compiler(f32_runner).compile(GrammarSpec("regex", PATTERN))
+            texts.append("".join([o.text async for o in engine.generate(req)]))
+            await assert_idle(engine)
+        finally:
+            await engine.stop()
+    assert re.fullmatch(PATTERN, texts[1]), texts
+    assert texts[0] == texts[1]

@@ -213,3 +213,23 @@ def test_all_greedy_batch_is_the_first_argmax_even_with_ties() -> None:
     t = _tensors(5, temperature=torch.zeros(5))
     assert torch.equal(sample(logits, t).token_ids, logits.argmax(dim=1))
     assert sample(logits, t).token_ids[2] == 10
+
+
+def test_min_p_keeps_tokens_within_a_factor_of_the_best() -> None:
+    # p = softmax([ln 8, ln 4, ln 2, ln 1]) = [8, 4, 2, 1] / 15; min_p 0.3 keeps 8 and 4 only.
+    logits = torch.tensor([[math.log(8), math.log(4), math.log(2), 0.0]]).repeat(400, 1)
+    t = _tensors(400, min_p=torch.full((400,), 0.3), positions=torch.arange(400))
+    drawn = set(sample(logits, t).token_ids.tolist())
+    assert drawn == {0, 1}
+    # Temperature flattens first: at T=2, p ~ [2.83, 2, 1.41, 1]; 0.3 x 2.83 = 0.85 keeps all.
+    hot = _tensors(400, min_p=torch.full((400,), 0.3), temperature=torch.full((400,), 2.0),
+                   positions=torch.arange(400))  # fmt: skip
+    assert set(sample(logits, hot).token_ids.tolist()) == {0, 1, 2, 3}
+
+
+def test_min_p_tensor_only_when_some_row_uses_it() -> None:
+    plain = Sequence("a", [1, 2], 2, SamplingParams(temperature=1.0))
+    with_min_p = Sequence("b", [1, 2], 2, SamplingParams(temperature=1.0, min_p=0.1))
+    assert sampling_tensors_for([plain], torch.device("cpu")).min_p is None
+    t = sampling_tensors_for([plain, with_min_p], torch.device("cpu"))
+    assert t.min_p is not None and t.min_p.tolist() == pytest.approx([0.0, 0.1])

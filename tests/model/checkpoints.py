@@ -83,6 +83,26 @@ def write_checkpoint(path: Path, name: str, sharded: bool = False, seed: int = 0
     return path
 
 
+def convert_checkpoint(
+    src: Path, dst: Path, dtype: torch.dtype, declared: str | None, **config: Any
+) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with its tensors stored as ``dtype``, config.json
+    declaring ``declared`` (None: no dtype at all) and the ``config`` entries added."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(dtype) for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    hf = json.loads((src / "config.json").read_text())
+    hf = {k: v for k, v in hf.items() if k not in ("dtype", "torch_dtype")} | config
+    if declared is not None:
+        hf["torch_dtype"] = declared
+    (dst / "config.json").write_text(json.dumps(hf))
+    return dst
+
+
 def load_reference(path: Path, dtype: torch.dtype = torch.float32) -> Any:
     """The transformers model for ``path``, eval mode, eager attention (the plain reference)."""
     from transformers import AutoModelForCausalLM

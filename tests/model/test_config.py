@@ -81,3 +81,32 @@ def test_missing_directory_and_config_are_named(tmp_path: Path) -> None:
         ModelConfig.from_dir(tmp_path / "nope")
     with pytest.raises(ModelDirError, match="config.json missing"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "method"),
+    [
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "'gptq'"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "'awq'"),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "compressed-tensors"),
+        ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "'bitsandbytes'"),
+    ],
+)
+def test_a_quantized_checkpoint_is_refused_naming_its_method(
+    tmp_path: Path, quantization_config: dict[str, Any], method: str
+) -> None:
+    with pytest.raises(ModelDirError, match=f"quantized .*{method}"):
+        ModelConfig.from_dir(_write(tmp_path, BASE | {"quantization_config": quantization_config}))
+
+
+def test_autogptq_quantize_config_file_is_refused_too(tmp_path: Path) -> None:
+    _write(tmp_path, BASE)
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128}))
+    with pytest.raises(ModelDirError, match="quantized .*'gptq'"):
+        ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_the_checkpoint_dtype_is_read_from_either_spelling(key: str) -> None:
+    assert ModelConfig.from_hf_dict(BASE | {key: "float32"}).checkpoint_dtype == "float32"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.attention.torch_backend import TorchAttentionBackend
 from pdserve.kernels import rmsnorm
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
@@ -40,13 +41,14 @@ def _decode(
 
 
 def _torch_path(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner.model, "decode_kernel", None)
+    torch_backend = TorchAttentionBackend(runner.attn_backend.config, runner.kv_pool)
+    monkeypatch.setattr(runner, "attn_backend", torch_backend)
     monkeypatch.setattr(rmsnorm, "_kernel_for", lambda x, weight: None)
 
 
 def _kernel_runner(model_dir: Path, dtype: str) -> ModelRunner:
     runner = ModelRunner(RunnerConfig(str(model_dir), dtype=dtype, page_size=4, num_pages=64))
-    if runner.model.decode_kernel is None:
+    if runner.attn_backend.name != "cpp":
         pytest.skip("the C++ kernels do not run here")
     return runner
 

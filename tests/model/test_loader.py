@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve.model.config import ModelConfig, ModelDirError
-from pdserve.model.loader import load_weights
-from tests.model.checkpoints import write_checkpoint
+from pdserve.model.loader import load_weights, stored_dtype
+from tests.model.checkpoints import convert_checkpoint, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +80,21 @@ def test_wrong_shape_is_named(pair: tuple[Path, Path]) -> None:
     assert wrong != cfg
     with pytest.raises(ModelDirError, match="shape"):
         load_weights(pair[0], wrong, torch.float32)
+
+
+def test_stored_dtype_is_the_embedding_tables(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    assert stored_dtype(pair[0]) == "float32"
+    assert stored_dtype(pair[1]) == "float32"  # sharded: found in whichever shard holds it
+    half = convert_checkpoint(pair[0], tmp_path / "half", torch.float16, None)
+    assert stored_dtype(half) == "float16"
+
+
+def test_float8_weights_without_a_quantization_config_are_refused(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    fp8 = convert_checkpoint(pair[0], tmp_path / "fp8", torch.float8_e4m3fn, None)
+    cfg = ModelConfig.from_dir(fp8)  # the config says nothing: the stored tensors tell
+    with pytest.raises(
+        ModelDirError, match="stored as torch.float8_e4m3fn: a quantized checkpoint"
+    ):
+        load_weights(fp8, cfg, torch.bfloat16)

@@ -12,6 +12,7 @@ import torch
 from pdserve.fsm import Room, RoomDeadlines, RoomOutcome
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.transport.config import TransportConfig
+from pdserve.transport.observer import TransferObserver
 from pdserve.transport.receiver import KVReceiver
 from pdserve.transport.sender import KVSender
 
@@ -89,9 +90,15 @@ class Endpoints:
     def __init__(self) -> None:
         self.started: list[KVSender | KVReceiver] = []
 
-    async def sender(self, engine_id: str = "prefill-0", **cfg: Any) -> tuple[KVSender, Releases]:
+    async def sender(
+        self,
+        engine_id: str = "prefill-0",
+        observer: TransferObserver | None = None,
+        pool: KVPagePool | None = None,
+        **cfg: Any,
+    ) -> tuple[KVSender, Releases]:
         rel = Releases()
-        sender = KVSender(make_config(engine_id, **cfg), make_pool(), rel)
+        sender = KVSender(make_config(engine_id, **cfg), pool or make_pool(), rel, observer)
         await sender.start()
         self.started.append(sender)
         return sender, rel

@@ -12,12 +12,11 @@ import pytest
 import pytest_asyncio
 
 from pdserve.fsm import Room, RoomState
-from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.transport.bootstrap import BootstrapClient, PeerRejectedError, PeerUnreachableError
 from pdserve.transport.messages import HeartbeatMsg, RoomMsg
 from pdserve.transport.receiver import KVReceiver
 from pdserve.transport.sender import KVSender
-from tests.transport.conftest import KV, Endpoints, fill, outcome, pages_equal, until
+from tests.transport.conftest import Endpoints, fill, outcome, pages_equal, until
 from tests.transport.procs import free_port
 
 LOCAL = "127.0.0.1"
@@ -144,17 +143,6 @@ async def test_peers_endpoint_lists_registered_decodes(
     assert [(p["agent_name"], p["num_rooms"]) for p in peers] == [(receiver.agent.name, 1)]
 
 
-async def test_page_size_mismatch_is_refused_at_registration(endpoints: Endpoints) -> None:
-    sender, _ = await endpoints.sender()
-    bigger = KVPagePool(KVCacheConfig(num_pages=16, **{**KV, "head_dim": 32}))
-    receiver, rel = await endpoints.receiver(pool=bigger)
-    room = await receiver.open_room("p", "req", LOCAL, sender.bootstrap_port, [1], 10)
-    out = await outcome(room)
-    assert out.state == RoomState.FAILED and "page_size_mismatch" in out.reason
-    assert rel.of("p") == [[1]]
-    assert sender.debug_peers() == []
-
-
 async def test_client_maps_refusal_and_rejection_to_distinct_errors(endpoints: Endpoints) -> None:
     sender, _ = await endpoints.sender()
     client = BootstrapClient(connect_timeout_s=0.5, request_timeout_s=1.0)
@@ -179,6 +167,7 @@ async def test_metadata_nixl_cannot_load_is_a_400_and_the_server_keeps_serving(
         "agent_name": "decode-7@x",
         "metadata_b64": base64.b64encode(b"definitely not nixl metadata").decode(),
         "descriptor": receiver.agent.descriptor.to_json(),
+        "layout": receiver.layout.to_dict(),
     }
     status, reply = await post(http, sender, "/register", body)
     assert (status, reply["error"]["code"]) == (400, "bad_metadata")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 
 import orjson
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,23 +17,23 @@ from pdserve.transport.messages import (
     DataNotifMsg,
     HeartbeatMsg,
     HeartbeatReplyMsg,
-    MessageError,
+    KVLayoutMsg,
     PoolDescMsg,
     RegisterMsg,
     RegisterReplyMsg,
     RoomMsg,
-    decode,
     decode_notif,
-    encode,
-    page_checksum,
-    page_checksum_off_loop,
 )
+from pdserve.transport.wire import MessageError, decode, encode
 
 DESC = PoolDescMsg(base_address=0x7F0000000000, page_bytes=4096, num_pages=64)
 
 
+LAYOUT = KVLayoutMsg("demo", "0123abcd", "bfloat16", 2, 2, 16, 16, 4096)
+
+
 def _register() -> RegisterMsg:
-    return RegisterMsg("decode-0", "inc1", "decode-0@inc1", b"\x00\x01nixl\xff", DESC)
+    return RegisterMsg("decode-0", "inc1", "decode-0@inc1", b"\x00\x01nixl\xff", DESC, LAYOUT)
 
 
 @pytest.mark.parametrize(
@@ -152,19 +152,21 @@ def test_arbitrary_json_is_either_a_valid_message_or_a_message_error(value: obje
         assert decode(type(msg), encode(msg)) == msg if isinstance(msg, RoomMsg) else True
 
 
-def test_page_checksum_sees_content_order_and_page_choice() -> None:
-    kv = torch.randn(6, 2, 2, 4, 2, 8).to(torch.bfloat16)
-    base = page_checksum(kv, [1, 2, 3])
-    assert page_checksum(kv.clone(), [1, 2, 3]) == base
-    assert page_checksum(kv, [2, 1, 3]) != base
-    assert page_checksum(kv, [1, 2, 4]) != base
-    kv[2, 0, 0, 0, 0, 0] += 1
-    assert page_checksum(kv, [1, 2, 3]) != base
-    assert 0 <= base < 1 << 63
+def test_layout_mismatches_name_every_differing_field_and_only_those() -> None:
+    other = replace(LAYOUT, dtype="float16", num_layers=4)
+    assert LAYOUT.mismatches(LAYOUT) == []
+    found = LAYOUT.mismatches(other, us="prefill", them="decode")
+    assert found == [
+        "dtype (prefill 'bfloat16', decode 'float16')",
+        "num_layers (prefill 2, decode 4)",
+    ]
 
 
-async def test_page_checksum_off_loop_matches_and_keeps_the_callers_threads() -> None:
-    kv = torch.randn(6, 2, 2, 4, 2, 8).to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    assert await page_checksum_off_loop(kv, [3, 0, 5]) == page_checksum(kv, [3, 0, 5])
-    assert torch.get_num_threads() == threads
+def test_register_without_a_valid_layout_is_refused() -> None:
+    raw = _register().to_dict()
+    with pytest.raises(MessageError, match="layout"):
+        RegisterMsg.from_dict({k: v for k, v in raw.items() if k != "layout"})
+    with pytest.raises(MessageError, match="head_dim"):
+        RegisterMsg.from_dict({**raw, "layout": {**LAYOUT.to_dict(), "head_dim": 0}})
+    with pytest.raises(MessageError, match="model"):
+        RegisterMsg.from_dict({**raw, "layout": {**LAYOUT.to_dict(), "model": 7}})

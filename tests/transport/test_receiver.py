@@ -8,8 +8,9 @@ import pytest
 
 from pdserve.fsm import DuplicateRoomError, RoomDeadlines, RoomState
 from pdserve.transport.faults import FaultPlan
-from pdserve.transport.messages import DataNotifMsg, encode
+from pdserve.transport.messages import DataNotifMsg
 from pdserve.transport.nixl_agent import KVAgent
+from pdserve.transport.wire import encode
 from tests.transport.conftest import Endpoints, fill, make_pool, outcome, pages_equal, until
 from tests.transport.procs import free_port
 

@@ -27,7 +27,6 @@ async def test_pages_move_and_first_token_arrives_when_engine_opens_first(
     assert r_rel.calls == []  # on success the decode engine keeps its pages
     stats = sender.stats
     assert stats["rooms_sent"] == 1 and stats["bytes_sent"] == 3 * sender.pool.page_bytes
-    assert stats["transfer_latency_count"] == 1 and stats["transfer_latency_s_sum"] > 0
 
 
 async def test_decode_may_post_pages_before_the_engine_opens_the_room(endpoints: Endpoints) -> None:

@@ -1,0 +1,148 @@
+"""Speed figures of bench/gpu_check.py: memory bandwidth, pdserve decode steps, HF `generate`.
+
+Each function returns a JSON-ready dict; nothing here prints or decides pass/fail. Timing uses
+CUDA events where the device is CUDA (the host clock otherwise), after warm-up runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.kernels.kv_cache import PageAllocator
+from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.sampling_params import SamplingParams
+from pdserve.sequence import Sequence
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_s(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls, the device drained before and after each."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def copy_bandwidth(device: str, num_bytes: int, repeats: int = 10) -> dict[str, Any]:
+    """Device-to-device copy bandwidth (bytes read + written per second): the floor's HBM
+    bandwidth, measured rather than taken from a data sheet."""
+    dev = torch.device(device)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=dev)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = min(_timed_s(lambda: dst.copy_(src), dev, repeats))
+    return {"bytes": num_bytes, "best_s": best, "bytes_per_s": 2 * num_bytes / best}
+
+
+def weight_bytes_per_step(runner: ModelRunner) -> int:
+    """Bytes a decode step must read: every weight except the embedding table (a step reads
+    only its batch's rows of that)."""
+    w = runner.model.weights
+    tensors = [w.norm, w.lm_head]
+    for layer in w.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def decode_steps(
+    model_dir: Path, device: str, batches: list[int], context: int, steps: int, bandwidth: float
+) -> dict[str, Any]:
+    """Median pdserve decode step per batch size, next to the weight-bytes / bandwidth floor."""
+    max_batch = max(batches)
+    runner = ModelRunner(
+        RunnerConfig(str(model_dir), device=device, max_num_seqs=max_batch,
+                     max_prefill_tokens=max(context * max_batch, 512),
+                     max_model_len=context + steps + 8, gpu_memory_utilization=0.8)
+    )  # fmt: skip
+    floor_s = weight_bytes_per_step(runner) / bandwidth
+    out: dict[str, Any] = {"weight_bytes": weight_bytes_per_step(runner), "floor_ms": floor_s * 1e3,
+                           "num_pages": runner.kv_config.num_pages, "batches": {}}  # fmt: skip
+    if runner.kv_sizing is not None:
+        out["kv_sizing"] = runner.kv_sizing.describe()
+    gen = torch.Generator().manual_seed(0)
+    vocab = runner.model_config.vocab_size
+    for batch in batches:
+        allocator = PageAllocator(runner.kv_config.num_pages)
+        seqs = []
+        for i in range(batch):
+            ids = torch.randint(3, vocab, (context,), generator=gen).tolist()
+            pages = allocator.allocate(runner.kv_config.pages_for(context + steps + 8))
+            seqs.append(Sequence(f"b{batch}-{i}", ids, context, SamplingParams(temperature=0),
+                                 pages))  # fmt: skip
+        median = _decode_step_s(runner, seqs, steps)
+        out["batches"][str(batch)] = {
+            "step_ms": median * 1e3,
+            "x_floor": median / floor_s,
+            "tokens_per_s": batch / median,
+        }
+    del runner  # its pool holds most of the device: free it before the next step loads a model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _apply(seqs: list[Sequence], token_ids: list[int]) -> None:
+    for s, tok in zip(seqs, token_ids, strict=True):
+        s.num_cached_tokens = s.num_tokens
+        s.token_ids.append(tok)
+
+
+def _decode_step_s(runner: ModelRunner, seqs: list[Sequence], steps: int) -> float:
+    """Median seconds of a decode step of ``seqs`` (prefilled here), after warm-up steps."""
+    _apply(seqs, runner.prefill(seqs).token_ids)
+    for _ in range(3):  # warm-up (graph capture, autotuning)
+        _apply(seqs, runner.decode(seqs).token_ids)
+    times = _timed_s(lambda: _apply(seqs, runner.decode(seqs).token_ids), runner.device, steps)
+    return statistics.median(times)
+
+
+def hf_generate(
+    model_dir: Path, device: str, batches: list[int], context: int, steps: int
+) -> dict[str, Any]:
+    """HF transformers ``generate`` (greedy, static cache): time per decode step per batch,
+    from two generation lengths (their difference cancels the prefill)."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the baseline only
+
+    dev = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(dev)
+    model.eval()
+    vocab = model.config.vocab_size
+    out: dict[str, Any] = {"batches": {}}
+    short, long = 2, 2 + steps
+    for batch in batches:
+        ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(dev)
+        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None,
+                  cache_implementation="static")  # fmt: skip
+
+        def run(n: int, ids: torch.Tensor = ids, kw: dict = kw) -> None:
+            with torch.inference_mode():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+
+        run(short)  # warm-up
+        t_short = statistics.median(_timed_s(lambda: run(short), dev, 2))
+        t_long = statistics.median(_timed_s(lambda: run(long), dev, 2))
+        step_s = (t_long - t_short) / (long - short)
+        out["batches"][str(batch)] = {"step_ms": step_s * 1e3, "tokens_per_s": batch / step_s}
+    return out

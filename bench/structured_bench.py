@@ -1,0 +1,150 @@
+"""Structured-output overhead, two ways, on the demo model (or --model DIR), CPU or --device:
+
+1. Runner level: decode steps of a batch of B sequences, with no row constrained, one row
+   constrained, and every row constrained by a JSON schema (each constrained row's matcher is
+   advanced by its sampled token, as the engine does). Reports ms per step and the per-token
+   overhead of a constrained row: (all-constrained - none) / B.
+2. Server level (colocated, HTTP): the TPOT of an unconstrained streaming request alone, and
+   next to a constrained neighbour streaming at the same time.
+
+Do not run it on a loaded machine: the figures are timings.
+
+    python bench/structured_bench.py --quick
+    python bench/structured_bench.py --batch 16 --steps 64 --tokens 128 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
+
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
+from pdserve.model.demo import ensure_demo_model  # noqa: E402
+from pdserve.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.sequence import Sequence  # noqa: E402
+from pdserve.server import Server, ServerConfig  # noqa: E402
+
+# Long-running: an array of short strings, so a step never meets the grammar's end.
+SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 100_000}
+PROMPT = "Write a list of words:"
+
+
+def _runner_steps(runner: ModelRunner, batch: int, steps: int, constrained: int) -> float:
+    """Median seconds per decode step with ``constrained`` of ``batch`` rows under SCHEMA."""
+    tok = runner.tokenizer
+    compiler = GrammarCompiler(tok.backend.to_str(), tok.vocab_size, tok.eos_token_ids)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    prompt = tok.encode(PROMPT)
+    pages = runner.kv_config.pages_for(len(prompt) + steps + 2)
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(f"b{i}", list(prompt), len(prompt), SamplingParams(temperature=0.0))
+        seq.page_ids = list(range(i * pages, (i + 1) * pages))
+        if i < constrained:
+            seq.grammar = compiler.compile(spec)
+        seqs.append(seq)
+    times = []
+    out = runner.prefill(seqs)
+    for _ in range(steps):
+        for seq, token in zip(seqs, out.token_ids, strict=True):
+            seq.num_cached_tokens = seq.num_tokens
+            seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+        t0 = time.perf_counter()
+        out = runner.decode(seqs)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def runner_bench(args: argparse.Namespace) -> dict[str, float]:
+    model = args.model or str(ensure_demo_model())
+    runner = ModelRunner(RunnerConfig(model_dir=model, device=args.device, max_num_seqs=args.batch,
+                                      kv_cache_bytes=256 << 20))  # fmt: skip
+    b, steps = args.batch, args.steps
+    none = _runner_steps(runner, b, steps, 0)
+    one = _runner_steps(runner, b, steps, 1)
+    full = _runner_steps(runner, b, steps, b)
+    return {
+        "batch": b,
+        "step_ms_unconstrained": none * 1e3,
+        "step_ms_one_constrained": one * 1e3,
+        "step_ms_all_constrained": full * 1e3,
+        "overhead_ms_per_constrained_token": (full - none) / b * 1e3,
+    }
+
+
+async def _stream_tpot(http: aiohttp.ClientSession, url: str, body: dict) -> float:
+    """Mean seconds between streamed content deltas after the first."""
+    stamps = []
+    async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return statistics.mean(gaps) if gaps else float("nan")
+
+
+async def server_bench(args: argparse.Namespace) -> dict[str, float]:
+    model = args.model or str(ensure_demo_model())
+    config = ServerConfig(
+        runner=RunnerConfig(model_dir=model, device=args.device, kv_cache_bytes=128 << 20),
+        engine=EngineConfig(role="colocated", model_name="bench"),
+        host="127.0.0.1",
+    )
+    plain = {"model": "bench", "prompt": PROMPT, "max_tokens": args.tokens, "temperature": 0,
+             "ignore_eos": True}  # fmt: skip
+    constrained = {**plain, "guided_json": SCHEMA}
+    async with Server(config) as server, aiohttp.ClientSession() as http:
+        url = server.url
+        await _stream_tpot(http, url, {**plain, "max_tokens": 4})  # warm the path
+        alone = await _stream_tpot(http, url, plain)
+        with_neighbour, _ = await asyncio.gather(
+            _stream_tpot(http, url, plain), _stream_tpot(http, url, constrained)
+        )
+        both_plain, _ = await asyncio.gather(
+            _stream_tpot(http, url, plain), _stream_tpot(http, url, plain)
+        )
+    return {
+        "tpot_ms_alone": alone * 1e3,
+        "tpot_ms_next_to_unconstrained": both_plain * 1e3,
+        "tpot_ms_next_to_constrained": with_neighbour * 1e3,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="model directory (default: demo model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed request")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.steps, args.tokens = 2, 4, 8
+    result = {"runner": runner_bench(args), "server": asyncio.run(server_bench(args))}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for section, values in result.items():
+            for key, value in values.items():
+                print(f"{section:7s} {key:36s} {value:9.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

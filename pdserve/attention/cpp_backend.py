@@ -1,0 +1,40 @@
+"""The CPU backend: decode through the C++ paged kernel, extend as the torch reference.
+
+The kernel (:mod:`pdserve.kernels.paged_decode`) walks each sequence's pages in place and
+stores the step's new K/V itself: no page gather, no key mask, nothing to prepare per forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.attention.backend import AttentionConfig
+from pdserve.attention.torch_backend import TorchAttentionBackend
+from pdserve.kernels.kv_cache import KVPagePool
+from pdserve.kernels.paged_decode import load_kernel, paged_decode_attention
+from pdserve.model.forward_batch import ForwardBatch
+
+
+class CppAttentionBackend(TorchAttentionBackend):
+    """C++ decode kernel (CPU, float32/bf16, head_dim a multiple of 16); torch extend."""
+
+    name = "cpp"
+
+    def __init__(self, config: AttentionConfig, kv_pool: KVPagePool) -> None:
+        super().__init__(config, kv_pool)
+        kv = kv_pool.config
+        self._kernel = load_kernel(kv.dtype, kv.head_dim, kv_pool.kv.device)
+        if self._kernel is None:
+            raise ValueError(f"the C++ attention kernel does not run here ({kv.dtype})")
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        pass  # the kernel reads the lengths and the block table itself
+
+    def forward_decode(
+        self, layer: int, q: torch.Tensor, new_kv: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert batch.context_lens is not None
+        return paged_decode_attention(
+            self._kernel, q, self.layer_pools[layer], batch.block_table, batch.context_lens,
+            self.config.scale, self.config.sliding_window, new_kv,
+        )  # fmt: skip

@@ -1,0 +1,95 @@
+"""The GPU backend: Triton kernels that read the page pool in place; graph-capturable decode.
+
+The step's new K/V are stored with one indexed write per layer right before the kernel. Decode
+reads lengths, block table and its width from device tensors and keeps its per-split partial
+results in a workspace: one per forward when eager, one static buffer shared by every captured
+decode graph (layers run one after another on one stream, so they can share it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.attention.backend import AttentionBackend, AttentionConfig
+from pdserve.kernels.attention import write_layer_kv
+from pdserve.kernels.kv_cache import KVPagePool
+from pdserve.kernels.triton.decode import (
+    num_splits_for,
+    paged_decode_attention,
+    workspace_floats,
+)
+from pdserve.kernels.triton.extend import extend_attention
+from pdserve.model.forward_batch import ForwardBatch
+
+CPU_NUM_SMS = 2  # the interpreter's stand-in: a few splits, so the merge is exercised
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged decode (split-K, GQA-grouped) and extend attention."""
+
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, config: AttentionConfig, kv_pool: KVPagePool) -> None:
+        super().__init__(config, kv_pool)
+        self.device = kv_pool.kv.device
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else CPU_NUM_SMS
+        )
+        self._static_workspace: torch.Tensor | None = None
+        self._workspace: torch.Tensor | None = None
+        self._num_splits = 1
+
+    def _splits_and_floats(self, num_seqs: int) -> tuple[int, int]:
+        c = self.config
+        splits = num_splits_for(num_seqs, c.num_kv_heads, self.num_sms)
+        return splits, workspace_floats(num_seqs, c.num_heads, splits, c.head_dim)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if not batch.is_decode:
+            return
+        self._num_splits, floats = self._splits_and_floats(batch.num_seqs)
+        self._workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
+
+    def forward_extend(
+        self, layer: int, q: torch.Tensor, new_kv: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert batch.q_starts is not None and batch.num_new is not None
+        assert batch.num_cached is not None
+        pool = self.layer_pools[layer]
+        write_layer_kv(pool, batch.page_idx, batch.page_offset, new_kv)
+        return extend_attention(
+            q, pool, batch.block_table, batch.q_starts, batch.num_new, batch.num_cached,
+            batch.max_new, self.config.scale, self.config.sliding_window,
+        )  # fmt: skip
+
+    def forward_decode(
+        self, layer: int, q: torch.Tensor, new_kv: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert batch.context_lens is not None and batch.block_table_width is not None
+        assert self._workspace is not None, "init_forward_metadata was not called"
+        pool = self.layer_pools[layer]
+        write_layer_kv(pool, batch.page_idx, batch.page_offset, new_kv)
+        return paged_decode_attention(
+            q, pool, batch.block_table, batch.block_table_width, batch.context_lens,
+            self.config.scale, self.config.sliding_window, self._num_splits, self._workspace,
+        )  # fmt: skip
+
+    # ----- CUDA graph hooks -------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_num_seqs: int) -> None:
+        floats = max(self._splits_and_floats(n)[1] for n in range(1, max_num_seqs + 1))
+        self._static_workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        assert self._static_workspace is not None, "init_cuda_graph_state was not called"
+        # The split count is baked into the captured launch: it depends on the bucket only.
+        self._num_splits = self._splits_and_floats(batch.num_seqs)[0]
+        self._workspace = self._static_workspace
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        # Lengths, tables and the width are read from the refilled static inputs; only the
+        # host-side state must match the bucket again for an eager call in between.
+        self.init_forward_metadata_capture(batch)

@@ -1,0 +1,54 @@
+"""The KV layout an engine registers with: its model identity and the shape of one page.
+
+A prefill refuses a decode whose layout differs in any field (HTTP 400 ``layout_mismatch``
+naming the fields), so KV is never written into pages that would read it back differently.
+With tensor parallelism later, the layout would grow the rank and the number of ranks (each
+rank's pool holds its share of the KV heads), compared the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import orjson
+
+from pdserve.kernels.kv_cache import KVPagePool
+from pdserve.transport.messages import KVLayoutMsg
+
+# ModelConfig fields that say how the checkpoint is stored, not what it computes.
+_NOT_IDENTITY = frozenset({"checkpoint_dtype"})
+
+
+def model_fingerprint(model_config: Any) -> str:
+    """A short stable hash of a model's architecture config (a dataclass, e.g. ``ModelConfig``).
+
+    Two workers serving the same checkpoint get the same value; a different architecture,
+    size, vocabulary or rope setting changes it. Weights are not hashed (too slow for start-up):
+    the served model name is the other half of the identity check.
+    """
+    fields = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _NOT_IDENTITY}
+    raw = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS, default=_jsonable)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, frozenset | set):
+        return sorted(value)
+    raise TypeError(f"cannot fingerprint {type(value).__name__}")
+
+
+def layout_of(pool: KVPagePool, model: str = "", fingerprint: str = "") -> KVLayoutMsg:
+    """The layout of a local page pool, for registration and the check of a peer's."""
+    c = pool.config
+    return KVLayoutMsg(
+        model=model,
+        fingerprint=fingerprint,
+        dtype=str(c.dtype).removeprefix("torch."),
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        page_size=c.page_size,
+        page_bytes=pool.page_bytes,
+    )

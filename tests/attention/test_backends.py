@@ -1,0 +1,102 @@
+"""Every attention backend against the torch reference, through the one interface.
+
+The same calls (an extend over a cached prefix, then decode steps) run on a fresh pool per
+backend with the same inputs: outputs and the K/V each backend stores must equal the torch
+backend's, and nothing may be written outside the sequences' slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.attention.backend import AttentionBackend, AttentionConfig
+from pdserve.attention.factory import create_backend
+from pdserve.kernels import triton as triton_kernels
+from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
+from pdserve.kernels.paged_decode import load_kernel
+from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch
+from pdserve.sequence import Sequence
+
+PAGE, NUM_LAYERS, NUM_KV, HEAD_DIM, GROUP = 4, 2, 2, 64, 4
+NUM_PAGES = 40
+PREFIX = [0, 6, 0]  # cached tokens before the extend
+PROMPTS = [9, 11, 4]  # total tokens after it
+NUM_DECODE_STEPS = 3
+
+
+def _backends(device: str) -> list[str]:
+    """The backends other than torch that run on ``device`` here."""
+    names = ["triton"] if triton_kernels.is_available(torch.device(device)) else []
+    if device == "cpu" and load_kernel(torch.float32, HEAD_DIM) is not None:
+        names.append("cpp")
+    return names
+
+
+def _run(
+    name: str, device: str, dtype: torch.dtype, window: int | None
+) -> tuple[list[list[torch.Tensor]], KVPagePool]:
+    """Outputs of every call, and the pool, after one extend and a few decode steps."""
+    config = AttentionConfig(GROUP * NUM_KV, NUM_KV, HEAD_DIM, window, max_model_len=64)
+    kv_config = KVCacheConfig(NUM_LAYERS, NUM_KV, HEAD_DIM, NUM_PAGES, PAGE, dtype)
+    pool = KVPagePool(kv_config, device=device, hugepages=False)
+    backend = create_backend(name, config, pool)
+    gen = torch.Generator().manual_seed(0)
+    order = torch.randperm(NUM_PAGES, generator=gen).tolist()  # scattered pages
+    seqs = [
+        Sequence(f"s{i}", list(range(n)), n, page_ids=order[8 * i : 8 * i + 8],
+                 num_cached_tokens=PREFIX[i])
+        for i, n in enumerate(PROMPTS)
+    ]  # fmt: skip
+    # The prefixes' K/V: written straight into the pool (as a transfer or an earlier step would).
+    for s in seqs:
+        for p in s.page_ids[: -(-s.num_cached_tokens // PAGE)]:
+            pool.kv[p] = torch.randn(pool.kv[p].shape, generator=gen).to(dtype)
+    outputs = []
+    batch, _ = extend_batch(seqs, PAGE, pool.scratch_page, torch.device(device))
+    outputs.append(_forward(backend, batch, gen, dtype, device))
+    for _ in range(NUM_DECODE_STEPS):
+        for s in seqs:
+            s.num_cached_tokens = s.num_tokens
+            s.token_ids.append(0)
+        batch = decode_batch(seqs, PAGE, pool.scratch_page, torch.device(device))
+        outputs.append(_forward(backend, batch, gen, dtype, device))
+    return outputs, pool
+
+
+def _forward(
+    backend: AttentionBackend,
+    batch: ForwardBatch,
+    gen: torch.Generator,
+    dtype: torch.dtype,
+    device: str,
+) -> list[torch.Tensor]:
+    backend.init_forward_metadata(batch)
+    out = []
+    num_tokens = batch.input_ids.shape[0]
+    for layer in range(NUM_LAYERS):
+        qkv = torch.randn(num_tokens, (GROUP + 2) * NUM_KV, HEAD_DIM, generator=gen).to(dtype)
+        qkv = qkv.to(device)
+        q, new_kv = qkv[:, : GROUP * NUM_KV], qkv[:, GROUP * NUM_KV :].unflatten(1, (2, NUM_KV))
+        out.append(backend.forward(layer, q, new_kv, batch).float().cpu())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_backends_match_the_torch_backend(
+    device: str, dtype: torch.dtype, window: int | None
+) -> None:
+    ref_out, ref_pool = _run("torch", device, dtype, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name in _backends(device):
+        out, pool = _run(name, device, dtype, window)
+        for got, want in zip(out, ref_out, strict=True):
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=name)
+        assert torch.equal(pool.storage, ref_pool.storage), name
+
+
+def test_no_backend_writes_the_scratch_page_for_real_rows(device: str) -> None:
+    for name in ["torch", *_backends(device)]:
+        _, pool = _run(name, device, torch.float32, None)
+        assert pool.storage[pool.scratch_page].abs().sum() == 0, name

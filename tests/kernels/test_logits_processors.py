@@ -1,0 +1,78 @@
+"""Logits edits before sampling: logit_bias, min_tokens suppression, grammar bitmasks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.logits_processors import logits_processing_for, unpack_bitmask
+from pdserve.sampling_params import SamplingParams
+from pdserve.sequence import Sequence
+
+CPU = torch.device("cpu")
+EOS = frozenset({7})
+DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+
+
+def _seq(num_generated: int = 0, **params: object) -> Sequence:
+    ids = [1, 2, 3] + [4] * num_generated
+    return Sequence("s", ids, 3, SamplingParams(**params))  # type: ignore[arg-type]
+
+
+class FixedMatcher:
+    """A matcher double that allows a fixed token set (the bitmask contract only)."""
+
+    def __init__(self, allowed: set[int], vocab_size: int) -> None:
+        self.allowed, self.vocab_size = allowed, vocab_size
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        row.zero_()
+        for t in self.allowed:
+            word, bit = divmod(t, 32)
+            value = int(row[word]) | (1 << bit)
+            row[word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def test_nothing_to_do_means_no_processing_at_all() -> None:
+    seqs = [_seq(), _seq(5, min_tokens=2), _seq(temperature=0.5)]
+    assert logits_processing_for(seqs, EOS, CPU) is None
+
+
+def test_unpack_bitmask_reads_bit_v_mod_32_of_word_v_div_32() -> None:
+    bitmask = torch.tensor([[0b101 - 2**31, 0], [0, 1]], dtype=torch.int32)
+    allowed = unpack_bitmask(bitmask, 40)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 2, 31]
+    assert allowed[1].nonzero().flatten().tolist() == [32]
+
+
+def test_logit_bias_adds_per_row() -> None:
+    logits = torch.zeros(2, 10)
+    seqs = [_seq(logit_bias={3: 5.0, 9: -100.0}), _seq()]
+    out = logits_processing_for(seqs, EOS, CPU).apply(logits)
+    assert out[0, 3] == 5.0 and out[0, 9] == -100.0 and out[0].abs().sum() == 105.0
+    assert out[1].abs().sum() == 0
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    seqs = [
+        _seq(1, min_tokens=3, stop_token_ids=[5]),
+        _seq(3, min_tokens=3, stop_token_ids=[5]),  # reached: untouched
+        _seq(0, min_tokens=2, ignore_eos=True, stop_token_ids=[6]),
+    ]
+    out = logits_processing_for(seqs, EOS, CPU).apply(torch.zeros(3, 10))
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [5, 7]
+    assert not torch.isinf(out[1]).any()
+    assert torch.isinf(out[2]).nonzero().flatten().tolist() == [6]
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_grammar_rows_keep_only_allowed_tokens_and_no_padded_ids(device: torch.device) -> None:
+    vocab, width = 40, 48  # the model's logits are wider than the tokenizer's vocabulary
+    constrained = _seq(logit_bias={33: 1.0})
+    constrained.grammar = FixedMatcher({0, 33, 39}, vocab)  # type: ignore[assignment]
+    free = _seq(1, min_tokens=2)
+    logits = torch.zeros(2, width, device=device)
+    out = logits_processing_for([free, constrained], EOS, device).apply(logits).cpu()
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [7]
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 33, 39]
+    assert out[1, 33] == 1.0

@@ -1,0 +1,38 @@
+"""bench/gpu_check.py's rehearsal: every step runs on the CPU with small sizes and passes, so
+the script is known to work before device time is spent on it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = ("checkpoint", "device_tests", "pd_vs_colocated", "bandwidth", "decode_speed",
+         "hf_generate")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_quick_cpu_rehearsal_passes_every_step_and_writes_the_json(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--quick", "--out",
+         str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    failed = {k: v for k, v in report["steps"].items() if v["status"] != "ok"}
+    assert proc.returncode == 0 and not failed, (failed, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert tuple(report["steps"]) == STEPS and report["all_ok"]
+    assert report["environment"]["device"] == "cpu"
+    steps = {k: v["result"] for k, v in report["steps"].items()}
+    assert steps["device_tests"]["tests"] > 0 and (tmp_path / "device_tests.xml").is_file()
+    assert steps["pd_vs_colocated"]["greedy_equal"]
+    assert set(steps["pd_vs_colocated"]["pd_serving"]) == {"1", "4"}
+    assert steps["bandwidth"]["bytes_per_s"] > 0
+    for name in ("decode_speed", "hf_generate"):
+        assert set(steps[name]["batches"]) == {"1", "4"}
+        assert all(b["step_ms"] > 0 for b in steps[name]["batches"].values())
+    assert steps["decode_speed"]["floor_ms"] > 0
