@@ -63,6 +63,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             waiting_for_kv_s=args.timeout_waiting_for_kv,
             prefill_inflight_s=args.timeout_transfer + args.timeout_waiting_for_input,
             request_s=args.timeout_request,
+            request_base_s=args.timeout_request_base,
+            request_per_token_s=args.timeout_per_token,
         ),
     )
     transport = TransportConfig(

@@ -193,11 +193,13 @@ class Engine:
         req.out_state = OutputState(req.request_id, seq, self.tokenizer, self.info.max_model_len)
         self._requests[req.request_id] = req
         self.observer.on_arrival(req)
-        if request.deadline_s is not None or self.config.deadlines.request_s is not None:
-            total = request.deadline_s or self.config.deadlines.request_s
-            req.overall_deadline = asyncio.get_running_loop().call_later(
-                total, self._on_deadline, req, "timeout:request"
-            )
+        # Bounded in every state, RUNNING and re-queued after preemption included.
+        total = request.deadline_s or self.config.deadlines.overall_s(
+            min(num_prompt + sp.max_tokens, self.info.max_model_len)
+        )
+        req.overall_deadline = asyncio.get_running_loop().call_later(
+            total, self._on_deadline, req, "timeout:request"
+        )
         try:
             if self.handoff is not None:
                 self.handoff.admit(req)
@@ -219,6 +221,8 @@ class Engine:
         decodes = self.config.role != "prefill"
         while True:
             batch = self.scheduler.schedule(decode=decodes)
+            if self.handoff is not None:
+                self.handoff.on_pages_freed()  # arrivals may go once no preempted request waits
             if batch is None:
                 if self._deferred_emits:
                     self._emit_deferred()  # may end requests and free pages: schedule again

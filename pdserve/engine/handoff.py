@@ -155,7 +155,9 @@ class DecodeHandoff(Handoff):
     def on_pages_freed(self) -> None:
         alloc, kv = self.engine.allocator, self.engine.runner.kv_config
         cache = self.engine.prefix_cache
-        while self._pending:
+        # Age priority: preempted requests, queued again for a re-prefill here, take freed pages
+        # before new arrivals (the engine calls this again after each schedule).
+        while self._pending and not self.engine.scheduler.waiting:
             req = self._pending[0]
             seq = req.seq
             # Leading prompt pages this decode holds cached are reused, not transferred: the

@@ -83,22 +83,32 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # pages allocated, prompt partly computed
         self.running: list[Request] = []
+        # Decode role: KV received while max_num_seqs run; they join as rows free up.
+        self.ready: deque[Request] = deque()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def add_running(self, req: Request) -> None:
-        self.running.append(req)
+        """A request with its prompt's KV computed or received joins the decode batch, or waits
+        in ``ready`` (pages held, first token out) while ``max_num_seqs`` requests run."""
+        if self._num_seqs() < self.config.max_num_seqs:
+            self.running.append(req)
+        else:
+            self.ready.append(req)
+
+    def _num_seqs(self) -> int:
+        return len(self.running) + len(self.prefilling)
 
     def remove(self, req: Request) -> None:
         """Forget a finished request wherever it is queued."""
-        for queue in (self.running, self.prefilling, self.waiting):
+        for queue in (self.running, self.prefilling, self.waiting, self.ready):
             if req in queue:
                 queue.remove(req)
                 return
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.ready)
 
     def schedule(self, *, decode: bool = True) -> Batch | None:
         if not self.config.chunked_prefill:
@@ -147,7 +157,7 @@ class Scheduler:
         while (
             self.waiting
             and (budget > 0 or (whole and not batch))
-            and len(self.running) + len(self.prefilling) < self.config.max_num_seqs
+            and self._num_seqs() < self.config.max_num_seqs
         ):
             req = self.waiting[0]
             seq = req.seq
@@ -178,6 +188,13 @@ class Scheduler:
         return batch, ends
 
     def _next_decode(self) -> list[Request]:
+        # Received requests take free rows, after the preempted ones waiting for a re-prefill;
+        # with nothing running one goes anyway (the waiting may need the pages it holds).
+        while self.ready and (
+            self._num_seqs() + len(self.waiting) < self.config.max_num_seqs
+            or not (self.running or self.prefilling)
+        ):
+            self.running.append(self.ready.popleft())
         # Each running sequence writes K/V of its last token this step: make room for it, preempting
         # the youngest sequences (recomputed later) when pages run out.
         i = 0

@@ -270,3 +270,21 @@ async def test_pages_freed_during_a_step_wait_for_its_kv_writes(
     finally:
         go.set()
         await engine.stop()
+
+
+async def test_a_running_request_ends_at_its_derived_overall_deadline(runner: ModelRunner):
+    """No flag given: RUNNING is bounded too, by base + per-token budget x tokens."""
+    deadlines = RequestDeadlines(request_base_s=0.3, request_per_token_s=0.0)
+    engine = await started(runner, deadlines=deadlines)
+    try:
+        req = GenerateRequest("long", [1, 2, 3], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        got: list[GenerateOutput] = []
+        with pytest.raises(EngineError) as err:
+            async for out in engine.generate(req):
+                got.append(out)
+        assert got, "it ran before the deadline"
+        assert err.value.status == 504 and err.value.code == "timeout:request"
+        assert "state running" in err.value.message
+        await assert_idle(engine)
+    finally:
+        await engine.stop()

@@ -14,6 +14,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.protocol import GenerateRequest, KVTransferParams
 from pdserve.engine.request import Request, RequestState
+from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.fsm import RoomOutcome, RoomState
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
@@ -149,3 +150,70 @@ async def test_decode_lends_only_uncached_pages_and_gives_every_page_back(runner
         await assert_idle(engine)
     finally:
         await engine.stop()
+
+
+async def test_preempted_requests_take_freed_pages_before_new_arrivals(runner: ModelRunner):
+    """Age priority on the decode role: while a preempted request waits for its re-prefill,
+    an arrival lends no pages to a room; it goes once the waiting queue is empty."""
+    engine = Engine(EngineConfig(role="decode"), runner, incarnation="test")
+    receiver = FakeReceiver()
+    receiver.engine = engine
+    engine.attach_handoff(DecodeHandoff(engine, receiver))
+    await engine.start()
+    try:
+        preempted = Request("old", Sequence("old", [1, 2, 3], 3, SamplingParams()))
+        engine.scheduler.waiting.append(preempted)  # as the scheduler's _preempt leaves it
+        gen = engine.generate(request("new", [4, 5, 6]))
+        task = asyncio.create_task(anext(gen))
+        deadline = asyncio.get_running_loop().time() + 10
+        while engine.count_by_state()["waiting_for_kv"] == 0:  # admitted
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.001)  # poll with a deadline
+        assert receiver.opened.empty() and engine.allocator.num_used == 0
+        engine.scheduler.waiting.clear()
+        engine.handoff.on_pages_freed()
+        room = await asyncio.wait_for(receiver.opened.get(), 10)
+        receiver.succeed(room, 7)
+        await asyncio.wait_for(task, 10)
+        await gen.aclose()
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_the_decode_role_runs_at_most_max_num_seqs_at_once(runner: ModelRunner, monkeypatch):  # noqa: ANN001
+    sched = SchedulerConfig(max_num_seqs=2)
+    engine = Engine(EngineConfig(role="decode", scheduler=sched), runner, incarnation="test")
+    receiver = FakeReceiver()
+    receiver.engine = engine
+    engine.attach_handoff(DecodeHandoff(engine, receiver))
+    await engine.start()
+    widths: list[int] = []
+    decode = runner.decode
+
+    def spy(seqs):  # noqa: ANN001, ANN202
+        widths.append(len(seqs))
+        return decode(seqs)
+
+    monkeypatch.setattr(runner, "decode", spy)  # after start(): calibration is done
+    try:
+        sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        gens = [
+            engine.generate(GenerateRequest(f"d{i}", [3 + i, 4, 5], sp,
+                                            KVTransferParams(f"d{i}", "127.0.0.1", 1)))
+            for i in range(5)
+        ]  # fmt: skip
+        tasks = [asyncio.create_task(_drain(g)) for g in gens]
+        for _ in range(5):
+            room = await asyncio.wait_for(receiver.opened.get(), 10)
+            receiver.succeed(room, 7)
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        assert all(sum(len(o.token_ids) for o in out) == 6 for out in outs)
+        assert widths and max(widths) <= 2
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def _drain(gen) -> list:  # noqa: ANN001
+    return [o async for o in gen]

@@ -194,3 +194,49 @@ def test_no_prefix_caching_computes_every_prompt_from_scratch():
     s.add(b)
     s.schedule()
     assert b.seq.num_cached_tokens == 0 and not set(a.seq.page_ids) & set(b.seq.page_ids)
+
+
+def received(s: Scheduler, rid: str) -> Request:
+    """A decode-role request whose prompt KV arrived with its first token."""
+    req = make_req(rid, 3)
+    req.seq.page_ids = s.allocator.allocate(1)
+    req.seq.num_cached_tokens = 3
+    req.seq.token_ids.append(9)
+    return req
+
+
+def test_received_requests_beyond_max_num_seqs_wait_ready_and_join_as_rows_free():
+    """Decode role: add_running is bounded by max_num_seqs too; the excess keeps its pages and
+    joins in arrival order once a running request ends."""
+    s = make_scheduler(max_num_seqs=2)
+    reqs = [received(s, f"r{i}") for i in range(3)]
+    for req in reqs:
+        s.add_running(req)
+    assert [r.request_id for r in s.schedule().decode] == ["r0", "r1"]
+    assert list(s.ready) == [reqs[2]] and s.has_work()
+    s.remove(reqs[0])
+    assert [r.request_id for r in s.schedule().decode] == ["r1", "r2"]
+    assert not s.ready
+
+
+def test_a_preempted_request_gets_the_free_row_before_a_received_one():
+    s = make_scheduler(max_num_seqs=2, chunked_prefill=True)
+    running, late = received(s, "running"), received(s, "late")
+    s.add_running(running)
+    preempted = make_req("old", 3)
+    s.add(preempted)  # as _preempt leaves it: waiting for a re-prefill
+    s.ready.append(late)
+    batch = s.schedule()
+    assert batch.prefill == [preempted] and batch.decode == [running]
+    assert list(s.ready) == [late]
+    prefilled(s, preempted)
+    s.remove(running)
+    assert [r.request_id for r in s.schedule().decode] == ["old", "late"]
+
+
+def test_with_nothing_running_a_ready_request_runs_so_its_pages_come_back():
+    s = make_scheduler(num_pages=1, max_num_seqs=1)
+    late = received(s, "late")  # holds the only page
+    s.ready.append(late)
+    s.add(make_req("old", 3))  # needs that page for its re-prefill
+    assert s.schedule().decode == [late]
