@@ -303,7 +303,7 @@ class WorkerIdleState:
 
     name: str
     queues: dict[str, float] = field(default_factory=dict)
-    pages_free: float = -1.0
+    pages_free: float = -1.0  # free or cached (unreferenced): idle, it equals the total
     pages_total: float = -2.0
     num_debug_rooms: int = -1
     num_debug_requests: int = -1
@@ -326,7 +326,7 @@ async def worker_idle_state(session: aiohttp.ClientSession, name: str, url: str)
     try:
         m = await scrape(session, url)
         state.queues = {g: m.get(g, float("nan")) for g in QUEUE_GAUGES}
-        state.pages_free = m["pdserve_kv_pages_free"]
+        state.pages_free = m["pdserve_kv_pages_free"] + m.get("pdserve_kv_pages_cached", 0.0)
         state.pages_total = m["pdserve_kv_pages_total"]
         state.num_debug_rooms = len((await get_json(session, f"{url}/debug/rooms"))["data"])
         state.num_debug_requests = len((await get_json(session, f"{url}/debug/requests"))["data"])

@@ -12,7 +12,7 @@ and, with 128-token prompts and 128 new tokens, measures:
   picks pdserve's sampling mode (seeded; the reference stays greedy, so its column is the
   same model work): greedy, random (temperature 0.8), top-p (0.8, top_p 0.95), top-k-top-p
   (0.8, top_k 50, top_p 0.95);
-* with ``--generate``: end-to-end throughput including prefill, ``pdserve.generate.generate``
+* with ``--generate``: end-to-end throughput including prefill, ``pdserve.llm.LLM.generate``
   vs ``model.generate`` (best of ``--repeats`` interleaved runs).
 """
 
@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from pdserve.generate import generate
+from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.kernels import cpu_ext
+from pdserve.llm import LLM
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
@@ -155,9 +156,11 @@ def decode_steps(
 def pdserve_generate(runner: ModelRunner, batch: int) -> float:
     """Generated tokens/s of the offline generate loop, prefill included."""
     sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    results = generate(runner, _prompts(batch), sampling)
-    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+    # No prefix caching: every timed run computes its prompts, as transformers' does.
+    with LLM(runner, SchedulerConfig(max_num_seqs=batch, prefix_caching=False)) as llm:
+        start = time.perf_counter()  # engine start-up (warm-up, thread calibration) not timed
+        results = llm.generate(_prompts(batch), sampling)
+        return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
 
 
 def transformers_generate(model: Any, batch: int) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,11 @@ import aiohttp
 import numpy as np
 import orjson
 
-from pdserve.cli_common import run_async
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
+
+from bench import workloads  # noqa: E402
+from bench.workloads import Prompt  # noqa: E402
+from pdserve.cli_common import run_async  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,11 @@ class BenchConfig:
     base_url: str
     model: str
     endpoint: str = "chat"  # "chat" | "completions"
-    input_len: int = 128  # words, or tokens when ``tokenizer`` is given
+    input_len: int = 128  # words, or tokens when ``tokenizer`` is given (the unique part)
+    dataset: str = "random"  # see bench/workloads.py
+    num_prefixes: int = 16  # prefix_repetition: groups ...
+    prefix_len: int = 1024  # ... and their shared prefix length
+    num_turns: int = 4  # multi_turn: user turns per conversation
     output_len: int = 128
     num_requests: int = 64
     request_rate: float = math.inf  # Poisson arrivals per second; inf = all at once
@@ -58,6 +65,7 @@ class RequestResult:
     is_ok: bool = False
     error: str | None = None
     num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     num_output_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
@@ -70,42 +78,16 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
 
 
-MAX_PROMPT_DOUBLINGS = 8  # x256 the words: a tokenizer still short of input_len never will be
+def make_prompts(cfg: BenchConfig) -> list[Prompt]:
+    """The run's prompts (bench/workloads.py), deterministic in ``seed``."""
+    return workloads.make_prompts(
+        cfg.dataset, cfg.num_requests, cfg.input_len, seed=cfg.seed, tokenizer=cfg.tokenizer,
+        num_prefixes=cfg.num_prefixes, prefix_len=cfg.prefix_len, num_turns=cfg.num_turns,
+        output_len=cfg.output_len,
+    )  # fmt: skip
 
 
-def make_prompts(cfg: BenchConfig) -> list[str]:
-    """Deterministic random-word prompts (a vocabulary of made-up words drawn from ``seed``)."""
-    rng = random.Random(cfg.seed)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "pe", "da", "zu", "ri"]
-    vocab = ["".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(2000)]
-    prompts = [" ".join(rng.choices(vocab, k=cfg.input_len)) for _ in range(cfg.num_requests)]
-    if cfg.tokenizer:
-        tok = _load_tokenizer(cfg.tokenizer)  # once: loading a 32k vocabulary takes ~65 ms
-        prompts = [_fit_to_tokens(p, tok, cfg.input_len, cfg.tokenizer) for p in prompts]
-    return prompts
-
-
-def _load_tokenizer(path_or_dir: str) -> Any:
-    from tokenizers import Tokenizer  # noqa: PLC0415 - only when exact lengths are asked for
-
-    path = Path(path_or_dir)
-    return Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
-
-
-def _fit_to_tokens(prompt: str, tok: Any, input_len: int, path: str) -> str:
-    ids = tok.encode(prompt, add_special_tokens=False).ids
-    for _ in range(MAX_PROMPT_DOUBLINGS):  # some tokenizers merge words: pad with more words
-        if len(ids) >= input_len:
-            return tok.decode(ids[:input_len])
-        prompt = f"{prompt} {prompt}"
-        ids = tok.encode(prompt, add_special_tokens=False).ids
-    raise ValueError(
-        f"{path}: {len(ids)} tokens from {len(prompt)} characters of words; this tokenizer cannot "
-        f"make {input_len}-token prompts (e.g. a word-level vocabulary without a pre-tokenizer)"
-    )
-
-
-def build_payload(cfg: BenchConfig, prompt: str) -> tuple[str, dict[str, Any]]:
+def build_payload(cfg: BenchConfig, prompt: Prompt) -> tuple[str, dict[str, Any]]:
     payload: dict[str, Any] = {
         "model": cfg.model,
         "max_tokens": cfg.output_len,
@@ -116,14 +98,17 @@ def build_payload(cfg: BenchConfig, prompt: str) -> tuple[str, dict[str, Any]]:
     if cfg.ignore_eos:
         payload["ignore_eos"] = True  # so every output has the asked length
     if cfg.endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": prompt}]
+        is_text = isinstance(prompt, str)
+        payload["messages"] = [{"role": "user", "content": prompt}] if is_text else prompt
         return "/v1/chat/completions", payload
+    if not isinstance(prompt, str):
+        raise ValueError("multi_turn prompts are chat messages: use --endpoint chat")
     payload["prompt"] = prompt
     return "/v1/completions", payload
 
 
 async def send_request(
-    session: aiohttp.ClientSession, cfg: BenchConfig, prompt: str
+    session: aiohttp.ClientSession, cfg: BenchConfig, prompt: Prompt
 ) -> RequestResult:
     """One streamed request; event times are taken when each SSE line arrives."""
     path, payload = build_payload(cfg, prompt)
@@ -168,9 +153,11 @@ async def _read_events(resp: aiohttp.ClientResponse, result: RequestResult, star
         if "error" in obj:
             result.error = str(obj["error"])[:200]
             break
-        if obj.get("usage"):
-            result.num_prompt_tokens = obj["usage"].get("prompt_tokens")
-            result.num_output_tokens = obj["usage"].get("completion_tokens") or 0
+        if usage := obj.get("usage"):
+            result.num_prompt_tokens = usage.get("prompt_tokens")
+            result.num_output_tokens = usage.get("completion_tokens") or 0
+            details = usage.get("prompt_tokens_details") or {}
+            result.num_cached_tokens = details.get("cached_tokens")
         if _has_text(obj):
             if num_events == 0:
                 result.ttft_s = now - start
@@ -216,7 +203,7 @@ class Progress:
             sys.stderr.write("\n")
 
 
-async def _drive(cfg: BenchConfig, prompts: list[str], session: aiohttp.ClientSession) -> Any:
+async def _drive(cfg: BenchConfig, prompts: list[Prompt], session: aiohttp.ClientSession) -> Any:
     rng = np.random.default_rng(cfg.seed)
     limit = asyncio.Semaphore(cfg.concurrency or len(prompts))
     progress = Progress(len(prompts), cfg.is_progress_shown)
@@ -282,6 +269,8 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration_s: float)
     ok = [r for r in results if r.is_ok]
     num_out = sum(r.num_output_tokens for r in ok)
     num_in = sum(r.num_prompt_tokens or 0 for r in ok)
+    num_cached = sum(r.num_cached_tokens or 0 for r in ok)
+    reports_cached = any(r.num_cached_tokens is not None for r in ok)
     good = [r for r in ok if _meets_slo(cfg, r)]
     errors = [r.error for r in results if not r.is_ok]
     duration_s = max(duration_s, 1e-9)
@@ -293,6 +282,8 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration_s: float)
         "duration_s": duration_s,
         "mean_input_tokens": num_in / len(ok) if ok else None,
         "mean_output_tokens": num_out / len(ok) if ok else None,
+        # Prompt tokens the server found in its prefix cache (None: it does not say).
+        "prefix_cache_hit_rate": num_cached / num_in if reports_cached and num_in else None,
         "request_throughput": len(ok) / duration_s,
         "output_throughput": num_out / duration_s,
         "total_token_throughput": (num_in + num_out) / duration_s,
@@ -317,6 +308,7 @@ def _row(r: RequestResult) -> dict[str, Any]:
         "ok": r.is_ok,
         "error": r.error,
         "prompt_tokens": r.num_prompt_tokens,
+        "cached_tokens": r.num_cached_tokens,
         "output_tokens": r.num_output_tokens,
         "ttft_s": r.ttft_s,
         "tpot_s": r.tpot_s,
@@ -330,7 +322,8 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [
         f"requests: {s['num_completed']}/{s['num_requests']} ok, {s['num_errors']} errors, "
         f"{s['duration_s']:.2f} s",
-        f"mean tokens: in {s['mean_input_tokens']}, out {s['mean_output_tokens']}",
+        f"mean tokens: in {s['mean_input_tokens']}, out {s['mean_output_tokens']}; prefix cache "
+        f"hit rate {s['prefix_cache_hit_rate']}",
         f"throughput: {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} out tok/s,"
         f" {s['total_token_throughput']:.1f} total tok/s; goodput {s['goodput']:.2f} req/s",
         f"{'metric':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}  (ms)",
@@ -374,7 +367,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--base-url", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=128, help="unique words (tokens) per prompt")
+    p.add_argument("--dataset", choices=workloads.DATASETS, default="random")
+    p.add_argument("--num-prefixes", type=int, default=16, help="prefix_repetition groups")
+    p.add_argument("--prefix-len", type=int, default=1024, help="prefix_repetition prefix")
+    p.add_argument("--num-turns", type=int, default=4, help="multi_turn turns")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s")
@@ -395,6 +392,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     a = p.parse_args(argv)
     return BenchConfig(
         base_url=a.base_url, model=a.model, endpoint=a.endpoint, input_len=a.input_len,
+        dataset=a.dataset, num_prefixes=a.num_prefixes, prefix_len=a.prefix_len,
+        num_turns=a.num_turns,
         output_len=a.output_len, num_requests=a.num_requests, request_rate=a.request_rate,
         concurrency=a.concurrency, seed=a.seed, slo_ttft_ms=a.slo_ttft_ms,
         slo_tpot_ms=a.slo_tpot_ms, api_key=a.api_key, ignore_eos=not a.no_ignore_eos,

@@ -62,7 +62,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-transfer", type=float, default=30.0)
     g.add_argument("--timeout-queue", type=float, default=60.0)
     g.add_argument("--timeout-waiting-for-kv", type=float, default=120.0)
-    g.add_argument("--timeout-request", type=float, default=None, help="overall, off by default")
+    g.add_argument(
+        "--timeout-request", type=float, default=None,
+        help="overall, in any state; default: --timeout-request-base + --timeout-per-token x "
+        "(prompt + max_tokens tokens, at most --max-model-len)",
+    )  # fmt: skip
+    g.add_argument("--timeout-request-base", type=float, default=60.0)
+    g.add_argument("--timeout-per-token", type=float, default=1.0)
     g.add_argument(
         "--abort-quarantine", type=float, default=5.0,
         help="decode: hold a dead sender's destination pages this long before reuse",

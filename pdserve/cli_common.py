@@ -47,7 +47,23 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
         "leaves after weights, activations and CUDA graphs)",
     )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument(
+        "--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
+        default=2048, help="tokens computed per step: prompt chunks plus one per running stream "
+        "(vLLM's --max-num-batched-tokens); with --no-chunked-prefill, one prefill batch's budget",
+    )  # fmt: skip
+    p.add_argument(
+        "--chunked-prefill", "--enable-chunked-prefill", dest="chunked_prefill",
+        action=argparse.BooleanOptionalAction, default=True,
+        help="prefill prompts in chunks that share each step with the running streams' decode "
+        "rows (off: a whole prompt batch runs first and the streams wait for it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
+        action=argparse.BooleanOptionalAction, default=True,
+        help="keep full KV pages of finished and running prompts and reuse them for prompts "
+        "with the same prefix (LRU-evicted when pages run out)",
+    )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--num-threads", type=int, default=None,

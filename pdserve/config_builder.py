@@ -41,6 +41,16 @@ def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -
     )
 
 
+def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    """The batching flags (cli_common.add_runner_args) of a worker, or of generate."""
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill=args.chunked_prefill,
+        prefix_caching=args.prefix_caching,
+    )
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     runner = runner_config_from_args(args, args.role)
     model_name = served_model_name(args.served_model_name, runner.model_dir)
@@ -52,15 +62,14 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         role=args.role,
         model_name=model_name,
         engine_id=engine_id,
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_prefill_tokens=args.max_prefill_tokens,
-        ),
+        scheduler=scheduler_config_from_args(args),
         deadlines=RequestDeadlines(
             waiting_s=args.timeout_queue,
             waiting_for_kv_s=args.timeout_waiting_for_kv,
             prefill_inflight_s=args.timeout_transfer + args.timeout_waiting_for_input,
             request_s=args.timeout_request,
+            request_base_s=args.timeout_request_base,
+            request_per_token_s=args.timeout_per_token,
         ),
     )
     transport = TransportConfig(

@@ -1,4 +1,4 @@
-"""Offline generation, like vLLM's ``LLM.generate``: prompts in, completions out, no server.
+"""`pdserve generate`: offline generation from the command line, through :class:`pdserve.llm.LLM`.
 
 ``pdserve generate --model DIR --prompt TEXT [--prompt-ids 1,2,3] --max-tokens N
 [--temperature T --seed S] [--json]``, plus the runner flags of ``pdserve serve`` (``--dtype``,
@@ -10,111 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
-from dataclasses import dataclass, field
 
 from pdserve.cli_common import UNSERVABLE, DeprecatedAlias, add_runner_args, setup_logging
-from pdserve.config_builder import runner_config_from_args
+from pdserve.config_builder import runner_config_from_args, scheduler_config_from_args
 from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
-from pdserve.kernels.kv_cache import PageAllocator
-from pdserve.model.tokenizer import IncrementalDetokenizer
+from pdserve.llm import LLM
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
-from pdserve.sequence import Sequence
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerationResult:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length"
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class _Active:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    text: str = ""
-    finish: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[float] = field(default_factory=list)
-
-
-def _stop_check(a: _Active, token: int, runner: ModelRunner) -> None:
-    p = a.seq.sampling
-    if token in p.stop_token_ids or (not p.ignore_eos and token in runner.tokenizer.eos_token_ids):
-        a.finish, a.stop_reason = "stop", token
-        return
-    a.text += a.detok.step([token])
-    for stop in p.stop:
-        cut = a.text.find(stop)
-        if cut >= 0:
-            a.text, a.finish, a.stop_reason = a.text[:cut], "stop", stop
-            return
-    if a.seq.num_generated >= p.max_tokens or a.seq.num_tokens >= runner.max_model_len:
-        a.finish = "length"
-
-
-def _apply(active: list[_Active], tokens: list[int], runner: ModelRunner) -> None:
-    for a, token in zip(active, tokens, strict=True):
-        a.seq.num_cached_tokens = a.seq.num_tokens
-        a.seq.token_ids.append(token)
-        _stop_check(a, token, runner)
-
-
-def _prefill_groups(active: list[_Active], max_tokens: int, max_seqs: int) -> list[list[_Active]]:
-    groups: list[list[_Active]] = [[]]
-    num_tokens = 0
-    for a in active:
-        if groups[-1] and (
-            num_tokens + a.seq.num_tokens > max_tokens or len(groups[-1]) >= max_seqs
-        ):
-            groups.append([])
-            num_tokens = 0
-        groups[-1].append(a)
-        num_tokens += a.seq.num_tokens
-    return groups
-
-
-def generate(
-    runner: ModelRunner, prompts: list[list[int]], sampling: SamplingParams
-) -> list[GenerationResult]:
-    """Generate for every prompt (batched prefill, then batched decode steps) until done."""
-    allocator = PageAllocator(runner.kv_config.num_pages)
-    active: list[_Active] = []
-    for i, ids in enumerate(prompts):
-        budget = min(len(ids) + sampling.max_tokens, runner.max_model_len)
-        pages = allocator.allocate(runner.kv_config.pages_for(budget))
-        seq = Sequence(f"gen-{i}", list(ids), len(ids), dataclasses.replace(sampling), pages)
-        active.append(_Active(seq, IncrementalDetokenizer(runner.tokenizer, ids)))
-    try:
-        cfg = runner.config
-        for group in _prefill_groups(active, cfg.max_prefill_tokens, cfg.max_num_seqs):
-            _apply(group, runner.prefill([a.seq for a in group]).token_ids, runner)
-        running = [a for a in active if a.finish is None]
-        while running:
-            for start in range(0, len(running), cfg.max_num_seqs):
-                chunk = running[start : start + cfg.max_num_seqs]
-                _apply(chunk, runner.decode([a.seq for a in chunk]).token_ids, runner)
-            running = [a for a in running if a.finish is None]
-    finally:
-        for a in active:
-            allocator.free(a.seq.page_ids)
-    return [
-        GenerationResult(
-            prompt_token_ids=prompts[i],
-            token_ids=a.seq.generated_ids,
-            text=a.text,  # like the server: a trailing incomplete character is not emitted
-            finish_reason=a.finish or "length",
-            stop_reason=a.stop_reason,
-        )
-        for i, a in enumerate(active)
-    ]
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -174,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    for result in generate(runner, _prompts(args, runner), sampling):
+    with LLM(runner, scheduler_config_from_args(args)) as llm:
+        results = llm.generate(_prompts(args, runner), sampling)
+    for result in results:
         if args.json:
             print(json.dumps(dataclasses.asdict(result), ensure_ascii=False))
         else:

@@ -211,6 +211,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     out = ["--dtype", args.dtype, "--page-size", str(args.page_size),
            "--max-num-seqs", str(args.max_num_seqs),
            "--max-prefill-tokens", str(args.max_prefill_tokens)]  # fmt: skip
+    out += [] if args.chunked_prefill else ["--no-chunked-prefill"]
+    out += [] if args.prefix_caching else ["--no-prefix-caching"]
     optional = {
         "--kv-cache-mb": args.kv_cache_mb,  # None: each worker sizes its own (CPU or CUDA)
         "--num-gpu-blocks": args.num_gpu_blocks,

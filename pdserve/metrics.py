@@ -153,7 +153,16 @@ class EngineCollector:
         alloc = self.engine.allocator
         yield _gauge("pdserve_kv_pages_total", "KV cache pages", role, alloc.num_pages)
         yield _gauge("pdserve_kv_pages_free", "Free KV cache pages", role, alloc.num_free)
-        yield _gauge("pdserve_kv_pages_used", "Used KV cache pages", role, alloc.num_used)
+        yield _gauge(
+            "pdserve_kv_pages_used", "KV pages referenced by requests", role, alloc.num_used
+        )
+        yield _gauge(
+            "pdserve_kv_pages_cached",
+            "Unreferenced KV pages holding cached prefixes (evicted when pages run out); "
+            "idle: free + cached == total",
+            role, alloc.num_cached,
+        )  # fmt: skip
+        yield from _prefix_cache_metrics(role, self.engine)
         yield from self._ages(role)
         yield from _runner_metrics(role, self.engine.runner)
         lease = self.engine.cpu_lease
@@ -210,6 +219,23 @@ def _runner_metrics(role: str, runner: ModelRunner) -> Iterator[Metric]:
     g.add_metric([role, "prefill"], runner.prefill_threads)
     g.add_metric([role, "decode"], runner.decode_threads)
     yield g
+
+
+def _prefix_cache_metrics(role: str, engine: Engine) -> Iterator[Metric]:
+    """hit_tokens / query_tokens is the prefix cache's token hit rate."""
+    st = engine.prefix_cache.stats
+    per_name = {
+        "pdserve_prefix_cache_queries": ("Prefill admissions that looked up the prefix cache",
+                                         st.num_queries),
+        "pdserve_prefix_cache_query_tokens": ("Tokens of the prompts looked up", st.query_tokens),
+        "pdserve_prefix_cache_hit_tokens": ("Tokens found cached (not computed)", st.hit_tokens),
+        "pdserve_kv_page_evictions": ("Cached KV pages evicted to make room",
+                                      engine.allocator.num_evictions),
+    }  # fmt: skip
+    for name, (doc, value) in per_name.items():
+        c = CounterMetricFamily(name, doc, labels=["role"])
+        c.add_metric([role], value)
+        yield c
 
 
 def _lease_metrics(role: str, st: LeaseStats) -> Iterator[Metric]:

@@ -74,7 +74,7 @@ class RunnerConfig:
     # None: 512 MiB on CPU; on CUDA what gpu_memory_utilization leaves (see pdserve.kv_sizing).
     kv_cache_bytes: int | None = None
     max_num_seqs: int = 64
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 2048  # the offline LLM's default step budget
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     device: str = "cpu"  # cpu | cuda | cuda:N, checked at start (pdserve.device)
     # CUDA: the fraction of the device's total memory this worker may use, the KV pool included.

@@ -59,6 +59,17 @@ def test_a_non_positive_bootstrap_timeout_is_a_usage_error(tmp_path) -> None:
         server_config_from_args(args)
 
 
+def test_the_request_deadline_is_derived_by_default_and_its_budget_is_flags(tmp_path) -> None:
+    default = server_config_from_args(parse("--model", str(tmp_path))).engine.deadlines
+    assert default.request_s is None and default.overall_s(100) == 60.0 + 100 * 1.0
+    args = parse(
+        "--model", str(tmp_path), "--timeout-request-base", "5", "--timeout-per-token", "0.1"
+    )
+    assert server_config_from_args(args).engine.deadlines.overall_s(100) == pytest.approx(15.0)
+    with pytest.raises(ValueError, match="deadline"):
+        server_config_from_args(parse("--model", str(tmp_path), "--timeout-request", "0"))
+
+
 def test_decode_threads_default_to_auto_and_a_count_reaches_the_runner_config(tmp_path) -> None:
     auto = server_config_from_args(parse("--model", str(tmp_path)))
     assert auto.runner.decode_threads is None  # measured at start-up

@@ -1,13 +1,15 @@
-"""Offline generation: the `pdserve generate` entry point and the batched generate loop."""
+"""Offline generation: the `pdserve generate` entry point and the LLM over the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
-from pdserve.generate import generate, main
+from pdserve.generate import main
+from pdserve.llm import LLM, generate
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from tests.model.checkpoints import write_checkpoint
@@ -68,6 +70,33 @@ def test_generation_stops_at_max_model_len(model_dir: Path) -> None:
     )
     [result] = generate(small, [list(range(1, 9))], SamplingParams(max_tokens=50, ignore_eos=True))
     assert len(result.token_ids) == 4 and result.finish_reason == "length"
+
+
+def test_llm_reuses_the_prefix_of_an_earlier_call_with_the_same_tokens(runner: ModelRunner) -> None:
+    prompt = list(range(3, 23))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(runner) as llm:
+        [first] = llm.generate([prompt], greedy)
+        [again] = llm.generate([prompt[:18] + [40]], greedy)
+        [same] = llm.generate([prompt], greedy)
+    assert (first.num_cached_tokens, again.num_cached_tokens, same.num_cached_tokens) == (0, 16, 16)
+    assert same.token_ids == first.token_ids
+
+
+def test_generate_is_callable_from_inside_a_running_event_loop(runner: ModelRunner) -> None:
+    async def caller():  # noqa: ANN202
+        return generate(runner, [[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+
+    result = asyncio.run(caller())
+    assert len(result.token_ids) == 3
+
+
+def test_agenerate_is_awaitable_from_another_event_loop(runner: ModelRunner) -> None:
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with LLM(runner) as llm:
+        sync = llm.generate([[5, 6, 7], [8, 9]], sampling)
+        together = asyncio.run(llm.agenerate([[5, 6, 7], [8, 9]], sampling))
+    assert [r.token_ids for r in together] == [r.token_ids for r in sync]
 
 
 def test_generate_takes_the_same_device_flags_as_serve(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,12 +22,13 @@ def _serve_parse(argv: list[str]):
 def test_every_worker_flag_given_to_up_reaches_the_workers(tmp_path) -> None:
     argv = ["--model", str(tmp_path), "--dtype", "float32", "--page-size", "8",
             "--kv-cache-mb", "32", "--max-num-seqs", "5", "--max-prefill-tokens", "512",
-            "--max-model-len", "256", "--num-threads", "2", "--decode-threads", "1"]  # fmt: skip
+            "--max-model-len", "256", "--num-threads", "2", "--decode-threads", "1",
+            "--no-chunked-prefill", "--no-prefix-caching"]  # fmt: skip
     cfg = cluster_config_from_args(parse_args(argv))
     worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
     expected = {"dtype": "float32", "page_size": 8, "kv_cache_mb": 32, "max_num_seqs": 5,
                 "max_prefill_tokens": 512, "max_model_len": 256, "num_threads": 2,
-                "decode_threads": 1}  # fmt: skip
+                "decode_threads": 1, "chunked_prefill": False, "prefix_caching": False}  # fmt: skip
     assert {k: getattr(worker, k) for k in expected} == expected
 
 
@@ -111,3 +112,11 @@ def test_stopping_gives_a_draining_child_its_time_before_any_kill(tmp_path) -> N
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_prefix_caching_and_chunked_prefill_are_on_unless_turned_off(tmp_path) -> None:
+    cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path)]))
+    worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
+    assert worker.prefix_caching and worker.chunked_prefill
+    vllm_names = _serve_parse(["--max-num-batched-tokens", "256", "--no-enable-prefix-caching"])
+    assert vllm_names.max_prefill_tokens == 256 and not vllm_names.prefix_caching

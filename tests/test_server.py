@@ -62,7 +62,9 @@ async def test_embedded_server_metrics_are_zero_when_idle(demo_dir: Path):
     assert 'pdserve_requests_total{role="colocated",status="length"} 1.0' in text
     total = next(line for line in text.splitlines() if line.startswith("pdserve_kv_pages_total"))
     free = next(line for line in text.splitlines() if line.startswith("pdserve_kv_pages_free"))
-    assert total.split()[-1] == free.split()[-1]
+    cached = next(line for line in text.splitlines() if line.startswith("pdserve_kv_pages_cached"))
+    assert float(total.split()[-1]) == float(free.split()[-1]) + float(cached.split()[-1])
+    assert 'pdserve_kv_pages_used{role="colocated"} 0.0' in text
 
 
 async def test_embedded_server_serves_http_when_asked(demo_dir: Path):

@@ -31,6 +31,7 @@ class ResponseBuilder(ABC):
         self.texts = texts
         n = prepared.num_choices
         self._num_generated = [0] * n
+        self._num_cached = [0] * n  # prompt tokens each choice's engine found cached
         self._finish_reasons: list[str | None] = [None] * n
         self._texts: list[list[str]] = [[] for _ in range(n)]
 
@@ -40,17 +41,21 @@ class ResponseBuilder(ABC):
 
     def _record(self, index: int, out: GenerateOutput) -> None:
         self._num_generated[index] = out.num_generated_tokens
+        self._num_cached[index] = max(self._num_cached[index], out.num_cached_tokens)
         if out.finish_reason is not None:
             self._finish_reasons[index] = out.finish_reason
 
-    def usage(self) -> dict[str, int]:
-        # n samples of one prompt read it once, as OpenAI counts it.
+    def usage(self) -> dict[str, Any]:
+        # n samples of one prompt read it once, as OpenAI counts it (choices are prompt-major).
         prompt_tokens = sum(self.prepared.prompt_lens)
         completion_tokens = sum(self._num_generated)
+        n = self.prepared.options.n
+        cached = [self._num_cached[i : i + n] for i in range(0, len(self._num_cached), n)]
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(max(c) for c in cached)},
         }
 
     def opening_chunks(self) -> list[dict[str, Any]]:

@@ -13,11 +13,12 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.output import OutputState
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.protocol import (
     EngineError,
     EngineInfo,
@@ -29,21 +30,31 @@ from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner_thread import RunnerThread
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
+from pdserve.engine.warmup import warm_up
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, wait_kv_ready
-from pdserve.sampling_params import SamplingParams
+from pdserve.kernels.prompt_logprobs import PromptLogprobs
+from pdserve.model_runner import RunnerOutput
 from pdserve.sequence import Sequence
-from pdserve.thread_tuning import CALIBRATION_BATCH, should_calibrate
+from pdserve.thread_tuning import should_calibrate
 
 if TYPE_CHECKING:
     from pdserve.engine.handoff import Handoff
-    from pdserve.model_runner import ModelRunner, RunnerOutput
+    from pdserve.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 # Pages freed during a step wait for the step's KV writes to finish on the device; a marker
 # still incomplete after this long means a hung device: logged, and the pages stay held.
 _KV_READY_WARN_S = 30.0
+
+
+class _StepOutput(NamedTuple):
+    """A step's results, split by row kind; ``kv_ready`` marks its one forward's KV writes."""
+
+    decode: RunnerOutput | None
+    prefill: RunnerOutput | None
+    kv_ready: KVReady
 
 
 class Engine:
@@ -62,7 +73,13 @@ class Engine:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.allocator = PageAllocator(runner.kv_config.num_pages)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, runner.kv_config.page_size)
+        page_size = runner.kv_config.page_size
+        # Every role caches: the decode role's prompt pages arrive by transfer (pdserve.engine.
+        # handoff lends a room only the pages after the prefix it holds).
+        self.prefix_cache = PrefixCache(
+            self.allocator, page_size, enabled=config.scheduler.prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, self.prefix_cache)
         self.observer = observer or EngineObserver()
         self.handoff: Handoff | None = None
         self.info = EngineInfo(
@@ -122,45 +139,15 @@ class Engine:
         return self._ready and self._loop_task is not None and not self._loop_task.done()
 
     async def _warmup(self) -> None:
-        """A real one-token generation through the local runner proves the model works."""
-        seq = Sequence(
-            "warmup", [self.tokenizer.bos_token_id or 0], 1, SamplingParams(max_tokens=1)
-        )
-        seq.page_ids = self.allocator.allocate(1)
-        try:
-            await self._runner_thread.submit(self.runner.prefill, [seq])
-        finally:
-            self.allocator.free(seq.page_ids)
-        if self._should_calibrate_threads():
-            await self._calibrate_decode_threads()
-
-    def _should_calibrate_threads(self) -> bool:
         runner = self.runner
-        return should_calibrate(
+        calibrate = should_calibrate(
             self.config.role, runner.device.type, runner.config.decode_threads,
             runner.prefill_threads,
         )  # fmt: skip
-
-    async def _calibrate_decode_threads(self) -> None:
-        """Decode steps of scratch sequences, timed per thread count (pdserve.thread_tuning)."""
-        num_tokens = self.runner.calibration_tokens
-        pages_each = self.runner.kv_config.pages_for(num_tokens)
-        max_by_pages = self.allocator.num_free // pages_each
-        num_seqs = min(CALIBRATION_BATCH, self.config.scheduler.max_num_seqs, max_by_pages)
-        if num_seqs < 1:
-            return
-        token = self.tokenizer.bos_token_id or 0
-        seqs = [
-            Sequence(f"calibrate-{i}", [token] * (num_tokens - 1), num_tokens - 1,
-                     SamplingParams(temperature=0.0), self.allocator.allocate(pages_each))
-            for i in range(num_seqs)
-        ]  # fmt: skip
-        try:
-            choice = await self._runner_thread.submit(self.runner.calibrate_decode_threads, seqs)
-        finally:
-            for s in seqs:
-                self.allocator.free(s.page_ids)
-        logger.info("%s (batch %d): %s", self.info.engine_id, num_seqs, choice.describe())
+        await warm_up(
+            runner, self.allocator, self._runner_thread, calibrate=calibrate,
+            max_num_seqs=self.config.scheduler.max_num_seqs, engine_id=self.info.engine_id,
+        )  # fmt: skip
 
     # ---- public API ------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
@@ -211,11 +198,13 @@ class Engine:
         self._requests[req.request_id] = req
         self._idle.clear()
         self.observer.on_arrival(req)
-        if request.deadline_s is not None or self.config.deadlines.request_s is not None:
-            total = request.deadline_s or self.config.deadlines.request_s
-            req.overall_deadline = asyncio.get_running_loop().call_later(
-                total, self._on_deadline, req, "timeout:request"
-            )
+        # Bounded in every state, RUNNING and re-queued after preemption included.
+        total = request.deadline_s or self.config.deadlines.overall_s(
+            min(num_prompt + sp.max_tokens, self.info.max_model_len)
+        )
+        req.overall_deadline = asyncio.get_running_loop().call_later(
+            total, self._on_deadline, req, "timeout:request"
+        )
         try:
             if self.handoff is not None:
                 self.handoff.admit(req)
@@ -237,6 +226,8 @@ class Engine:
         decodes = self.config.role != "prefill"
         while True:
             batch = self.scheduler.schedule(decode=decodes)
+            if self.handoff is not None:
+                self.handoff.on_pages_freed()  # arrivals may go once no preempted request waits
             if batch is None:
                 if self._deferred_emits:
                     self._emit_deferred()  # may end requests and free pages: schedule again
@@ -244,10 +235,9 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            fn = self.runner.prefill if batch.kind == "prefill" else self.runner.decode
-            seqs = [r.seq for r in batch.requests]
+            seqs = (batch.decode, batch.prefill_seqs())
             self._stepping = True
-            fut = self._runner_thread.submit(fn, seqs)
+            fut = self._runner_thread.submit(self._step, seqs)
             # Overlap: the previous step's detokenization, stop-string checks and streaming run
             # on the loop while the runner thread computes this step.
             self._emit_deferred()
@@ -256,25 +246,72 @@ class Engine:
                 out = await fut
                 kv_ready = out.kv_ready
             except Exception as e:  # a model error fails this batch, never the server
-                logger.exception("%s step failed for %d requests", batch.kind, len(seqs))
+                logger.exception("%s step failed for %d requests", batch.kind, len(batch.requests))
                 for req in batch.requests:
                     self._fail(req, EngineError(f"model step failed: {e}", 500, "internal_error"))
                 continue
             finally:
                 self._stepping = False
                 self._flush_frees(kv_ready)
-            self._apply(batch, out)
+            self._apply(batch, out.decode, out.prefill)
 
-    def _apply(self, batch: Batch, out: RunnerOutput) -> None:
+    def _step(self, seqs: tuple[list[Request], list[Sequence]]) -> _StepOutput:
+        """Runner thread: one forward for the step. A mixed step runs its decode rows through
+        the prefill path, as one-token rows over their cached context after the prompt chunks,
+        so the weights are read once for both (on a CPU the decode rows then cost little)."""
+        decode, prefill = seqs
+        if not prefill:
+            out = self.runner.decode([r.seq for r in decode])
+            return _StepOutput(out, None, out.kv_ready)
+        if not decode:
+            out = self.runner.prefill(prefill)
+            return _StepOutput(None, out, out.kv_ready)
+        out = self.runner.prefill(prefill + [r.seq for r in decode])
+        n, lps, plps = len(prefill), out.logprobs, out.prompt_logprobs
+        return _StepOutput(
+            RunnerOutput(out.token_ids[n:], lps[n:] if lps else None),
+            RunnerOutput(out.token_ids[:n], lps[:n] if lps else None,
+                         prompt_logprobs=plps[:n] if plps else None),
+            out.kv_ready,
+        )  # fmt: skip
+
+    def _apply(self, batch: Batch, dec: RunnerOutput | None, pre: RunnerOutput | None) -> None:
         """Commit a step's tokens. Requests that end with this token (stop token, length) are
         finished now so the next step leaves them out; the others' deltas are deferred to
-        :meth:`_emit_deferred`, which runs once the next step is submitted."""
-        logprobs = out.logprobs or [None] * len(out.token_ids)
-        prompt_logprobs = out.prompt_logprobs or [None] * len(out.token_ids)
-        is_prefill = batch.kind == "prefill"
+        :meth:`_emit_deferred`, which runs once the next step is submitted. A prefill row that
+        was not its prompt's last chunk only advances its cached count: its sampled token is
+        discarded and never reaches the grammar or the client."""
+        if dec is not None:
+            self._apply_rows(batch.decode, dec.token_ids, dec.logprobs, None, None)
+        if pre is None:
+            return
+        done: list[Request] = []
+        keep: list[int] = []
+        for i, (req, end) in enumerate(zip(batch.prefill, batch.prefill_ends, strict=True)):
+            if not req.is_finished and self.scheduler.prefilled(req, end):
+                done.append(req)
+                keep.append(i)
+        if done:
+            lps, plps = pre.logprobs, pre.prompt_logprobs
+            self._apply_rows(
+                done, [pre.token_ids[i] for i in keep], [lps[i] for i in keep] if lps else None,
+                [plps[i] for i in keep] if plps else None, pre.kv_ready,
+            )  # fmt: skip
+
+    def _apply_rows(
+        self,
+        reqs: list[Request],
+        token_ids: list[int],
+        logprobs: list[TokenLogprob | None] | None,
+        prompt_logprobs: list[PromptLogprobs | None] | None,
+        kv_ready: KVReady | None,
+    ) -> None:
+        """Commit one token per request: prefill rows (their last chunk) carry the step's
+        ``kv_ready`` marker for the hand-off; decode rows pass None."""
         deferred = self._deferred_emits
+        none = [None] * len(reqs)
         for req, tok, lp, plp in zip(
-            batch.requests, out.token_ids, logprobs, prompt_logprobs, strict=True
+            reqs, token_ids, logprobs or none, prompt_logprobs or none, strict=True
         ):
             if req.is_finished:
                 continue  # aborted, failed or stopped (stop string) while the step ran
@@ -287,10 +324,8 @@ class Engine:
             seq.token_ids.append(tok)
             if seq.grammar is not None and not self._advance_grammar(req, tok):
                 continue
-            if is_prefill:
-                if self.handoff is not None and self.handoff.on_prefilled(
-                    req, tok, lp, out.kv_ready
-                ):
+            if kv_ready is not None:  # a prefill row
+                if self.handoff is not None and self.handoff.on_prefilled(req, tok, lp, kv_ready):
                     continue
                 if req.state is RequestState.WAITING:
                     req.move(RequestState.RUNNING, "prefilled")
@@ -327,6 +362,7 @@ class Engine:
     # ---- outputs and endings ---------------------------------------------------------------
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         out = req.out_state.update(ids, logprobs)
+        out.num_cached_tokens = req.num_cached_prompt_tokens or 0
         if req.prompt_logprobs is not None:
             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         self.observer.on_tokens(req, len(ids))
@@ -340,6 +376,7 @@ class Engine:
         """Decode role: the KV of the prompt arrived; the first token came with it."""
         seq = req.seq
         seq.num_cached_tokens = seq.num_tokens
+        self.prefix_cache.register(seq, req.page_keys)  # the prompt's full pages, for reuse
         is_replayed = bool(req.replay)
         first_token = req.replay.popleft() if is_replayed else first_token  # the same one
         seq.token_ids.append(first_token)
@@ -359,6 +396,7 @@ class Engine:
     def finish_with(self, req: Request, ids: list[int], finish_reason: str) -> None:
         """End a request with a last delta (the prefill leg ends after its first token)."""
         out = req.out_state.update(ids, None)
+        out.num_cached_tokens = req.num_cached_prompt_tokens or 0
         out.finish_reason = out.finish_reason or finish_reason
         self.observer.on_tokens(req, len(ids))
         req.outputs.put(out)
@@ -395,7 +433,10 @@ class Engine:
         if self.handoff is not None:
             self.handoff.on_finish(req, prev, reason or status)
         if req.seq.page_ids and not req.pages_in_room:
-            self.free_pages(req.seq.page_ids)
+            self.free_pages(self.scheduler.release_pages(req))
+        elif req.pages_in_room and req.num_prefix_pages:
+            # Its room frees the pages lent to it; the cached prefix before them is ours.
+            self.free_pages(req.seq.page_ids[: req.num_prefix_pages])
         if not self._stepping:
             # While a forward runs, the runner thread may be reading this sequence's page ids
             # (an abort lands between schedule() and the forward): leave them; the free above

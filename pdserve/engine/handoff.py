@@ -158,15 +158,29 @@ class DecodeHandoff(Handoff):
 
     def on_pages_freed(self) -> None:
         alloc, kv = self.engine.allocator, self.engine.runner.kv_config
-        while self._pending:
+        cache = self.engine.prefix_cache
+        # Age priority: preempted requests, queued again for a re-prefill here, take freed pages
+        # before new arrivals (the engine calls this again after each schedule).
+        while self._pending and not self.engine.scheduler.waiting:
             req = self._pending[0]
-            need = kv.pages_for(req.seq.num_prompt_tokens)
-            if not alloc.can_allocate(need):
+            seq = req.seq
+            # Leading prompt pages this decode holds cached are reused, not transferred: the
+            # room gets fresh pages only (a shared page is never a transfer destination).
+            hit = cache.lookup(seq, req.page_keys)
+            need = kv.pages_for(seq.num_prompt_tokens) - len(hit)
+            if not cache.can_allocate_with(hit, need):
                 return
             self._pending.popleft()
-            req.seq.page_ids = alloc.allocate(need)
+            cache.acquire(seq, hit)
+            req.num_prefix_pages = len(hit)
+            req.num_cached_prompt_tokens = seq.num_cached_tokens
+            pages = alloc.allocate(need)
+            seq.page_ids.extend(pages)
             req.pages_in_room = True
-            pages = list(req.seq.page_ids)
+            logger.debug(
+                "req=%s room=%s: %d prompt pages cached here, %d lent to the room",
+                req.request_id, req.room_id, len(hit), len(pages),
+            )  # fmt: skip
             task = asyncio.create_task(self._receive(req, pages), name=f"kv-recv-{req.room_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -186,7 +200,7 @@ class DecodeHandoff(Handoff):
         try:
             room = await self.receiver.open_room(
                 kvt.room_id, req.request_id, kvt.bootstrap_host, kvt.bootstrap_port,
-                pages, req.seq.num_prompt_tokens,
+                pages, req.seq.num_prompt_tokens, req.num_prefix_pages,
             )  # fmt: skip
         except DuplicateRoomError:
             req.pages_in_room = False

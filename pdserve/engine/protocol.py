@@ -69,6 +69,7 @@ class GenerateOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # The first delta only, when asked: one entry per prompt token (the first is None).
     prompt_logprobs: list[TokenLogprob | None] | None = None
 

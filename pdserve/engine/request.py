@@ -64,7 +64,10 @@ class Request:
     deadline: asyncio.TimerHandle | None = None  # of the current state
     overall_deadline: asyncio.TimerHandle | None = None
     pages_in_room: bool = False  # decode: pages lent to a KV room (the room frees them on failure)
+    num_prefix_pages: int = 0  # decode: leading pages from its prefix cache, never lent to a room
     out_state: OutputState | None = None
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
+    num_cached_prompt_tokens: int | None = None  # prompt tokens its first prefill found cached
     prompt_logprobs: list[TokenLogprob | None] | None = None  # until the first delta takes them
     outputs: OutputMailbox = field(default_factory=OutputMailbox)
     # A migrated request replays the tokens another worker streamed, one step each, in place

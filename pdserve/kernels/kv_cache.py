@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -96,52 +97,117 @@ class KVPagePool:
 
 
 class PageAllocator:
-    """Free list plus reference counts. Single writer: the engine's event loop."""
+    """Pages by reference count, with a prefix cache's pages kept until the space is needed.
+
+    Every page is in exactly one of three states: free (empty, ref 0), cached (ref 0 but holding
+    the KV of a full page registered under a key by :meth:`cache_page`; evicted least recently
+    released first when :meth:`allocate` runs out of free pages) or referenced (ref >= 1, keyed
+    or not). A keyed page's content is final: its owners only read it. Single writer: the
+    engine's event loop.
+    """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() yields low ids first
         self._refs = [0] * num_pages
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref-0 keyed pages, LRU first
+        self._key_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
+        """Empty pages (neither referenced nor holding cached KV)."""
         return len(self._free)
 
     @property
+    def num_cached(self) -> int:
+        """Pages referenced by nobody that hold cached KV (reclaimable). Idle: free + cached
+        == total."""
+        return len(self._evictable)
+
+    @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages referenced by at least one sequence, room or transfer."""
+        return self.num_pages - len(self._free) - len(self._evictable)
+
+    @property
+    def num_available(self) -> int:
+        """Pages :meth:`allocate` can hand out: free ones, then cached ones by eviction."""
+        return len(self._free) + len(self._evictable)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_available
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"need {n} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
+        """``n`` pages with one reference each; evicts cached pages (LRU) once none are free."""
+        if n > self.num_available:
+            raise MemoryError(f"need {n} KV pages, {self.num_available} free or cached")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                p = self._free.pop()
+            else:
+                p, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._key_of.pop(p)]
+                self.num_evictions += 1
             self._refs[p] = 1
+            pages.append(p)
         return pages
 
     def incref(self, pages: list[int]) -> None:
+        """One more reference each; a cached page leaves the eviction list."""
         for p in pages:
-            if self._refs[p] <= 0:
-                raise ValueError(f"incref of free page {p}")
+            if self._refs[p] == 0:
+                if p not in self._evictable:
+                    raise ValueError(f"incref of free page {p}")
+                del self._evictable[p]
             self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
-        """Drop one reference from each page; pages reaching zero return to the free list."""
+        """Drop one reference from each page; at zero a keyed page is cached, others are free."""
         for p in pages:
             if self._refs[p] <= 0:
                 raise ValueError(f"double free of page {p}")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                if p in self._key_of:
+                    self._evictable[p] = None  # most recently released: evicted last
+                else:
+                    self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    # ---- prefix cache keys -----------------------------------------------------------------
+    def cache_page(self, page: int, key: bytes) -> bool:
+        """Register a referenced, fully written page under ``key``; False (nothing changes) when
+        the key is already held by another page or the page already has a key."""
+        if self._refs[page] <= 0:
+            raise ValueError(f"cache_page of unreferenced page {page}")
+        if key in self._page_of or page in self._key_of:
+            return False
+        self._page_of[key] = page
+        self._key_of[page] = key
+        return True
+
+    def cached_page(self, key: bytes) -> int | None:
+        return self._page_of.get(key)
+
+    def is_keyed(self, page: int) -> bool:
+        return page in self._key_of
 
     def check_integrity(self) -> None:
-        """Idle-time check: every page is either free (ref 0) or referenced, never both."""
+        """Every page is in exactly one state; keys map pages one to one."""
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("page listed twice in free list")
+        if free & self._evictable.keys():
+            raise AssertionError("page both free and cached")
         for p, r in enumerate(self._refs):
-            if (r == 0) != (p in free):
+            if (r == 0) != (p in free or p in self._evictable):
                 raise AssertionError(f"page {p}: refs={r}, free={p in free}")
+        if any(p not in self._key_of for p in self._evictable):
+            raise AssertionError("cached page without a key")
+        if {k: p for p, k in self._key_of.items()} != self._page_of:
+            raise AssertionError("key maps disagree")

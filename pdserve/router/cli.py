@@ -31,6 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
             flag, action="append", default=[], metavar="URL", help=f"{what} worker URL, repeatable"
         )
     p.add_argument("--policy", choices=POLICY_NAMES, default=d.policy)
+    p.add_argument(
+        "--cache-threshold", type=float, default=d.cache_threshold,
+        help="cache_aware: a worker holding this fraction of a prompt's prefix gets it",
+    )  # fmt: skip
+    p.add_argument(
+        "--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+        help="cache_aware: in-flight gap past which the least loaded worker gets the request",
+    )  # fmt: skip
+    p.add_argument(
+        "--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+        help="cache_aware: ... when also more than this ratio of the least loaded's load",
+    )  # fmt: skip
     _add_timing_flags(p, d)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
@@ -86,6 +98,9 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         decode_urls=tuple(args.decode),
         worker_urls=tuple(args.worker),
         policy=args.policy,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         request_timeout_s=args.request_timeout,

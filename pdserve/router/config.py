@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded")
+POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
 WORKER_ROLES = ("prefill", "decode", "colocated")
 
 
@@ -47,6 +47,11 @@ class RouterConfig:
     decode_urls: tuple[str, ...] = ()
     worker_urls: tuple[str, ...] = ()  # colocated workers: plain load balancing
     policy: str = "round_robin"
+    # cache_aware: prefix match fraction that wins, and the load gap (in-flight, absolute and
+    # ratio) past which the least loaded worker wins instead (pdserve.router.cache_aware).
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 16
+    balance_rel_threshold: float = 1.5
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     request_timeout_s: float = 600.0

@@ -1,7 +1,9 @@
 """Load-balancing policies: pick one worker among the available candidates of one role.
 
 Each role gets its own policy instance (so round robin cycles per role). Candidates are passed
-in a stable order (registration order); policies never see unavailable workers.
+in a stable order (registration order); policies never see unavailable workers. ``key`` is the
+request's prompt text where the role benefits from prefix affinity (None otherwise); only
+``cache_aware`` (pdserve.router.cache_aware) reads it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
+from pdserve.router.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from pdserve.router.config import POLICY_NAMES
 from pdserve.router.workers import Worker
 
@@ -17,8 +20,8 @@ from pdserve.router.workers import Worker
 class Policy(Protocol):
     name: str
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
-        """Pick one of ``candidates`` (non-empty)."""
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
+        """Pick one of ``candidates`` (non-empty) for a request whose prompt starts ``key``."""
         ...
 
 
@@ -30,7 +33,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
         worker = candidates[self._next % len(candidates)]
         self._next += 1
         return worker
@@ -44,7 +47,7 @@ class RandomPolicy:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
         return self._rng.choice(candidates)
 
 
@@ -58,7 +61,7 @@ class PowerOfTwoPolicy:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
         if len(candidates) == 1:
             return candidates[0]
         first, second = self._rng.sample(list(candidates), 2)
@@ -74,7 +77,7 @@ class LeastLoadedPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, candidates: Sequence[Worker], key: str | None = None) -> Worker:
         scores = [w.load_score() for w in candidates]
         best = min(scores)
         tied = [w for w, score in zip(candidates, scores, strict=True) if score == best]
@@ -83,8 +86,12 @@ class LeastLoadedPolicy:
         return worker
 
 
-def make_policy(name: str, rng: random.Random) -> Policy:
-    """A fresh policy instance by its config name."""
+def make_policy(
+    name: str,
+    rng: random.Random,
+    cache_aware: CacheAwareConfig | None = None,
+) -> Policy:
+    """A fresh policy instance by its config name (one per worker role)."""
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "random":
@@ -93,4 +100,6 @@ def make_policy(name: str, rng: random.Random) -> Policy:
         return PowerOfTwoPolicy(rng)
     if name == "least_loaded":
         return LeastLoadedPolicy()
+    if name == "cache_aware":
+        return CacheAwarePolicy(cache_aware)
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICY_NAMES}")

@@ -23,6 +23,7 @@ from pdserve.router.attempt_types import (
     StreamBroken,
     build_leg_bodies,
 )
+from pdserve.router.cache_aware import CacheAwareConfig, routing_text
 from pdserve.router.config import WORKER_ROLES, RouterConfig
 from pdserve.router.errors import error_response
 from pdserve.router.legs import UpstreamClient
@@ -75,7 +76,14 @@ class Dispatcher:
         self._stats = stats
         self._rng = rng
         self._env = AttemptEnv(config, upstream, stats, spawn)
-        self._policies = {role: make_policy(config.policy, rng) for role in WORKER_ROLES}
+        cache_aware = CacheAwareConfig(
+            cache_threshold=config.cache_threshold,
+            balance_abs=config.balance_abs_threshold,
+            balance_rel=config.balance_rel_threshold,
+        )
+        self._policies = {
+            role: make_policy(config.policy, rng, cache_aware) for role in WORKER_ROLES
+        }
         self._active: dict[str, RequestCtx] = {}
         self._idle = asyncio.Event()  # set while no request is active (a drain waits on it)
         self._idle.set()
@@ -172,6 +180,7 @@ class Dispatcher:
             return shed
         last: AttemptFailed | None = None
         excluded: set[str] = set()
+        key = routing_text(ctx.body)  # the prompt's start, for prefix-affine policies
         num_tries = 0  # attempts since the stream started or last migrated
         for attempt_no in range(self._config.max_attempts * (1 + self._config.migration_limit)):
             if num_tries >= self._config.max_attempts:
@@ -182,7 +191,7 @@ class Dispatcher:
             if ctx.is_aborted:
                 break
             num_tries += 1
-            plan = self._choose(excluded)
+            plan = self._choose(excluded, key)
             if plan is None:
                 last = AttemptFailed(
                     "no healthy prefill+decode pair or colocated worker", status=503
@@ -285,26 +294,31 @@ class Dispatcher:
         cfg = self._config
         return backoff_s(attempt_no, cfg.backoff_base_s, cfg.max_backoff_s, self._rng)
 
-    def _choose(self, excluded: set[str]) -> Plan | None:
+    def _choose(self, excluded: set[str], key: str | None) -> Plan | None:
+        # Both legs by the prompt's text: the prefill and the decode each keep a prefix cache
+        # (a decode holding the prefix receives only the rest of the KV).
         prefills = self._workers.available("prefill")
         decodes = self._workers.available("decode")
         if prefills and decodes:
             return Plan(
-                self._pick("prefill", prefills, excluded), self._pick("decode", decodes, excluded)
+                self._pick("prefill", prefills, excluded, key),
+                self._pick("decode", decodes, excluded, key),
             )
         colocated = self._workers.available("colocated")
         if colocated:
-            return Plan(None, self._pick("colocated", colocated, excluded))
+            return Plan(None, self._pick("colocated", colocated, excluded, key))
         if decodes and not self._config.enforce_disagg:
             # No prefill is healthy: a decode prefills the request itself, colocated-style.
             self._stats.num_decode_fallbacks += 1
-            return Plan(None, self._pick("decode", decodes, excluded))
+            return Plan(None, self._pick("decode", decodes, excluded, key))
         return None
 
-    def _pick(self, role: str, candidates: list[Worker], excluded: set[str]) -> Worker:
+    def _pick(
+        self, role: str, candidates: list[Worker], excluded: set[str], key: str | None
+    ) -> Worker:
         # Prefer workers that have not failed this request; fall back to all when none is left.
         preferred = [w for w in candidates if w.url not in excluded] or candidates
-        return self._policies[role].choose(preferred)
+        return self._policies[role].choose(preferred, key)
 
 
 def backoff_s(attempt_no: int, base_s: float, max_s: float, rng: random.Random) -> float:

@@ -59,6 +59,7 @@ class Handshake:
             room.data["nonce"],
             room.page_ids,
             room.data["num_tokens"],
+            room.data["num_cached_pages"],
         )
         room.data["posted"] = "maybe"
         try:

@@ -194,6 +194,8 @@ class RoomMsg:
 
     ``nonce`` is unique per receiver incarnation; the sender echoes it in every notification so
     a late write or abort of an earlier room with the same id can never alias this one.
+    ``num_cached_pages``: leading pages of the prompt the decode already holds (its prefix
+    cache); the sender writes the prompt's pages after them into ``page_ids``.
     """
 
     engine_id: str
@@ -201,6 +203,7 @@ class RoomMsg:
     nonce: int
     page_ids: list[int]
     num_tokens: int
+    num_cached_pages: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,6 +216,7 @@ class RoomMsg:
             nonce=read_int(d, "nonce", 0, MAX_NONCE),
             page_ids=read_page_ids(d, "page_ids", max_pages),
             num_tokens=read_int(d, "num_tokens", 1, MAX_TOKENS),
+            num_cached_pages=read_opt_int(d, "num_cached_pages", 0, MAX_PAGE_ID) or 0,
         )
 
 

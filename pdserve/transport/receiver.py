@@ -161,8 +161,12 @@ class KVReceiver:
         bootstrap_port: int,
         dst_page_ids: list[int],
         num_tokens: int,
+        num_cached_pages: int = 0,
     ) -> Room:
         """Lend ``dst_page_ids`` to a room and start its hand-shake; await ``room.done``.
+
+        ``num_cached_pages``: leading prompt pages this side already holds (not lent; the
+        sender writes only the pages after them).
 
         Raises DuplicateRoomError (live id) or ValueError (bad pages) before any room exists;
         every later failure ends the room (``bootstrap_error: ...``, ``peer_lost``, ...).
@@ -175,6 +179,7 @@ class KVReceiver:
             host=bootstrap_host,
             port=bootstrap_port,
             num_tokens=num_tokens,
+            num_cached_pages=num_cached_pages,
             posted="no",  # "no" | "maybe" | "yes": could the sender know our pages?
             next_chunk=0,
         )

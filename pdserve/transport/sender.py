@@ -264,7 +264,9 @@ class KVSender:
             raise ProtocolError(409, "duplicate_room", f"room {room_id!r} already has its pages")
         else:
             self.table.bind_peer(room_id, peer.key)
-        room.data.update(dst=msg.page_ids, nonce=msg.nonce, agent=peer.agent_name)
+        room.data.update(
+            dst=msg.page_ids, skip=msg.num_cached_pages, nonce=msg.nonce, agent=peer.agent_name
+        )
         self.table.fire(room_id, BOOTSTRAPPED)
         if room.page_ids:  # the engine's send() came first
             self._begin(room)

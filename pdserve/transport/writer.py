@@ -29,6 +29,12 @@ logger = logging.getLogger(__name__)
 WriteKey = tuple[str | None, int]  # (decode peer key, the room's nonce)
 
 
+def pages_to_write(room: Room) -> list[int]:
+    """The room's source pages less the leading ones the decode holds cached (its
+    ``RoomMsg.num_cached_pages``): only these are written, into the decode's posted pages."""
+    return room.page_ids[room.data.get("skip", 0) :]
+
+
 class RoomWriter:
     """Writes rooms of one :class:`KVSender` (its room table, agent, counters and peer loss)."""
 
@@ -40,7 +46,14 @@ class RoomWriter:
     def begin(self, room: Room) -> None:
         """Both ends are there (pages to send, destination pages): start the room's transfer."""
         s = self.sender
-        src, dst = room.page_ids, room.data["dst"]
+        src, dst = pages_to_write(room), room.data["dst"]
+        if not src:
+            s.table.fail(
+                room.room_id,
+                f"transfer_error: decode holds {room.data['skip']} of {len(room.page_ids)} "
+                "pages cached, nothing left to send",
+            )
+            return
         if len(src) > len(dst):
             s.table.fail(
                 room.room_id, f"transfer_error: {len(src)} pages to send, decode posted {len(dst)}"
@@ -105,7 +118,8 @@ class RoomWriter:
     async def _write_chunks(self, room: Room) -> None:
         s = self.sender
         faults = s.faults
-        src, dst = room.page_ids, room.data["dst"][: len(room.page_ids)]
+        src = pages_to_write(room)
+        dst = room.data["dst"][: len(src)]
         step = s.config.max_chunk_pages or len(src)
         bounds = list(range(0, len(src), step))
         for chunk, lo in enumerate(bounds):
@@ -131,7 +145,7 @@ class RoomWriter:
         s = self.sender
         checksum = None
         if is_last and s.config.checksum:
-            checksum = await page_checksum_off_loop(s.pool.kv, room.page_ids)
+            checksum = await page_checksum_off_loop(s.pool.kv, pages_to_write(room))
         return DataNotifMsg(
             room_id=room.room_id,
             nonce=room.data["nonce"],
@@ -149,7 +163,7 @@ class RoomWriter:
         s = self.sender
         s.counters.rooms_sent += 1
         seconds = asyncio.get_running_loop().time() - started
-        self.observer.on_room_sent(seconds, len(room.page_ids) * s.pool.page_bytes)
+        self.observer.on_room_sent(seconds, len(pages_to_write(room)) * s.pool.page_bytes)
         peer, faults = room.peer, s.faults
         if peer is not None and faults is not None and faults.should_drop_peer(peer):
             s.registrar.lose(peer, "peer_lost: fault injection")

@@ -30,6 +30,7 @@ async def test_chat_completion_echoes_the_templated_prompt(
         "prompt_tokens": prompt_len,
         "completion_tokens": 9,
         "total_tokens": prompt_len + 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert engine.requests[0].request_id == body["id"]
 

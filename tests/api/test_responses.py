@@ -59,7 +59,10 @@ def test_usage_counts_each_prompt_once_and_sums_completions() -> None:
     builder = CompletionResponseBuilder(_prepared(num_choices=4, prompt_lens=[5, 7], n=2), TEXTS)
     for i, generated in enumerate([3, 4, 5, 6]):
         builder.add(i, _out("x" * generated, generated, "length"))
-    assert builder.usage() == {"prompt_tokens": 12, "completion_tokens": 18, "total_tokens": 30}
+    assert builder.usage() == {
+        "prompt_tokens": 12, "completion_tokens": 18, "total_tokens": 30,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }  # fmt: skip
     response = builder.response()
     assert response["object"] == "text_completion"
     assert [c["index"] for c in response["choices"]] == [0, 1, 2, 3]
@@ -69,6 +72,15 @@ def test_usage_counts_each_prompt_once_and_sums_completions() -> None:
         "logprobs": None,
         "finish_reason": "length",
     }
+
+
+def test_cached_tokens_count_each_prompt_once() -> None:
+    builder = CompletionResponseBuilder(_prepared(num_choices=4, prompt_lens=[5, 7], n=2), TEXTS)
+    for i, cached in enumerate([4, 4, 0, 4]):
+        out = _out("x", 1, "length")
+        out.num_cached_tokens = cached
+        builder.add(i, out)
+    assert builder.usage()["prompt_tokens_details"] == {"cached_tokens": 8}
 
 
 def test_include_usage_sets_null_usage_on_chunks_and_a_final_usage_chunk() -> None:

@@ -272,8 +272,9 @@ async def idle_problems(
     ages = m.by_label("pdserve_oldest_nonterminal_age_seconds", "state")
     problems += [f"oldest_age[{s}]={a}" for s, a in ages.items() if a != 0]
     total, free = m.get("pdserve_kv_pages_total", role=role), m.get("pdserve_kv_pages_free")
-    if total != free:
-        problems.append(f"pages free {free}/{total}")
+    cached = m.get("pdserve_kv_pages_cached", role=role)
+    if total != free + cached:
+        problems.append(f"pages free {free} + cached {cached} of {total}")
     for kind in ("rooms", "requests"):
         data = (await get_json(session, f"{proc.url}/debug/{kind}", headers))["data"]
         if data:

@@ -59,7 +59,8 @@ def wait_idle(proc: Proc, role: str, timeout_s: float = 30.0) -> dict[str, float
         busy = {g: m[f'{g}{{role="{role}"}}'] for g in gauges if m[f'{g}{{role="{role}"}}'] != 0}
         total, free = (
             m[f'pdserve_kv_pages_total{{role="{role}"}}'],
-            m[f'pdserve_kv_pages_free{{role="{role}"}}'],
+            m[f'pdserve_kv_pages_free{{role="{role}"}}']
+            + m[f'pdserve_kv_pages_cached{{role="{role}"}}'],
         )
         if not busy and total == free:
             return m

@@ -10,9 +10,9 @@ import pytest
 from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.engine import Engine
 from pdserve.engine.protocol import EngineError, GenerateOutput, GenerateRequest
-from pdserve.generate import generate as offline_generate
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
+from pdserve.sequence import Sequence
 from tests.fakes import FakeReady
 
 
@@ -36,20 +36,32 @@ async def assert_idle(engine: Engine, timeout_s: float = 10.0) -> None:
     assert engine.debug_requests() == []
     assert all(n == 0 for n in engine.count_by_state().values())
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while engine.allocator.num_free != engine.allocator.num_pages:
+    alloc = engine.allocator
+    while alloc.num_used or alloc.num_free + alloc.num_cached != alloc.num_pages:
         assert asyncio.get_running_loop().time() < deadline, "pages not freed"
         await asyncio.sleep(0.005)  # poll with a deadline
     engine.allocator.check_integrity()
 
 
-async def test_greedy_generation_equals_offline_runner_loop(runner: ModelRunner):
+def runner_loop(runner: ModelRunner, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy tokens of one prompt straight from the runner: a prefill, then decode steps."""
+    pages = list(range(runner.kv_config.pages_for(len(prompt) + num_tokens)))
+    seq = Sequence("ref", list(prompt), len(prompt), SamplingParams(temperature=0), pages)
+    out = runner.prefill([seq]).token_ids
+    while len(out) < num_tokens:
+        seq.num_cached_tokens = seq.num_tokens
+        seq.token_ids.append(out[-1])
+        out += runner.decode([seq]).token_ids
+    return out
+
+
+async def test_greedy_generation_equals_plain_runner_loop(runner: ModelRunner):
+    prompt = runner.tokenizer.encode("Hello world")
+    expected = runner_loop(runner, prompt, 10)  # before the engine owns the pages
     engine = await started(runner)
     try:
-        prompt = runner.tokenizer.encode("Hello world")
         outs = await collect(engine, "r1", prompt, max_tokens=10, temperature=0, ignore_eos=True)
-        offline = offline_generate(runner, [prompt], SamplingParams(max_tokens=10, temperature=0,
-                                                                     ignore_eos=True))  # fmt: skip
-        assert tokens(outs) == offline[0].token_ids
+        assert tokens(outs) == expected
         assert outs[-1].finish_reason == "length" and outs[-1].num_generated_tokens == 10
         assert "".join(o.text for o in outs) == runner.tokenizer.decode(tokens(outs))
         await assert_idle(engine)
@@ -257,4 +269,22 @@ async def test_pages_freed_during_a_step_wait_for_its_kv_writes(
         await gen.aclose()
     finally:
         go.set()
+        await engine.stop()
+
+
+async def test_a_running_request_ends_at_its_derived_overall_deadline(runner: ModelRunner):
+    """No flag given: RUNNING is bounded too, by base + per-token budget x tokens."""
+    deadlines = RequestDeadlines(request_base_s=0.3, request_per_token_s=0.0)
+    engine = await started(runner, deadlines=deadlines)
+    try:
+        req = GenerateRequest("long", [1, 2, 3], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        got: list[GenerateOutput] = []
+        with pytest.raises(EngineError) as err:
+            async for out in engine.generate(req):
+                got.append(out)
+        assert got, "it ran before the deadline"
+        assert err.value.status == 504 and err.value.code == "timeout:request"
+        assert "state running" in err.value.message
+        await assert_idle(engine)
+    finally:
         await engine.stop()

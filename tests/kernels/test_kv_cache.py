@@ -1,7 +1,9 @@
-"""The page pool's scratch page: beyond the allocator's pages, outside what NIXL registers."""
+"""The page pool (its scratch page beyond the allocator's pages, outside what NIXL registers)
+and the PageAllocator (reference counts, cached pages kept until needed, LRU eviction)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool, PageAllocator
@@ -31,3 +33,62 @@ def test_layer_view_is_a_view_of_the_storage() -> None:
     pool = KVPagePool(CONFIG, hugepages=False)
     pool.layer_view(0)[2, 1, 3] = torch.ones(1, 8, dtype=CONFIG.dtype)
     assert pool.page(2)[0, 1, 3].sum() == 8
+
+
+def test_keyed_page_is_cached_not_freed_when_released_and_found_again():
+    a = PageAllocator(4)
+    [p] = a.allocate(1)
+    assert a.cache_page(p, b"k")
+    a.free([p])
+    assert (a.num_free, a.num_cached, a.num_used) == (3, 1, 0)
+    assert a.cached_page(b"k") == p
+    a.incref([p])  # reused: off the eviction list
+    assert (a.num_cached, a.num_used, a.refcount(p)) == (0, 1, 1)
+    a.check_integrity()
+
+
+def test_cached_pages_are_evicted_least_recently_released_first_and_only_when_needed():
+    a = PageAllocator(3)
+    pages = a.allocate(3)
+    for i, p in enumerate(pages):
+        a.cache_page(p, bytes([i]))
+    a.free([pages[1]])
+    a.free([pages[0]])
+    a.free([pages[2]])
+    assert a.num_cached == 3 and a.can_allocate(3)
+    [got] = a.allocate(1)
+    assert got == pages[1] and a.cached_page(bytes([1])) is None  # released first
+    assert a.cached_page(bytes([0])) == pages[0] and a.num_evictions == 1
+    a.check_integrity()
+
+
+def test_free_pages_go_before_cached_ones():
+    a = PageAllocator(2)
+    p, q = a.allocate(2)
+    a.cache_page(p, b"p")
+    a.free([p, q])
+    assert a.allocate(1) == [q] and a.cached_page(b"p") == p
+
+
+def test_a_key_names_one_page_and_a_page_one_key():
+    a = PageAllocator(2)
+    p, q = a.allocate(2)
+    assert a.cache_page(p, b"k")
+    assert not a.cache_page(q, b"k")  # the same prefix computed twice: q stays unkeyed
+    assert not a.cache_page(p, b"other")
+    a.free([p, q])
+    assert (a.num_free, a.num_cached) == (1, 1)
+
+
+def test_refcount_misuse_raises():
+    a = PageAllocator(2)
+    [p] = a.allocate(1)
+    a.free([p])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([p])
+    with pytest.raises(ValueError, match="incref of free"):
+        a.incref([p])
+    with pytest.raises(ValueError, match="unreferenced"):
+        a.cache_page(p, b"k")
+    with pytest.raises(MemoryError):
+        a.allocate(3)

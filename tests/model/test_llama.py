@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.generate import generate
 from pdserve.kernels import cpu_ext
 from pdserve.kernels import triton as triton_kernels
+from pdserve.llm import generate
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence

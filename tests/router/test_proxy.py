@@ -166,3 +166,24 @@ async def test_power_of_two_sends_to_the_decode_with_fewer_router_in_flight(
     assert len(loaded.requests) == 1
     first.cancel()
     second.cancel()
+
+
+async def test_cache_aware_sends_a_shared_prefix_to_the_same_prefill_and_decode(
+    make_worker, make_router
+):
+    prefills = [await make_worker("prefill") for _ in range(3)]
+    decodes = [await make_worker("decode") for _ in range(2)]
+    router = await make_router(
+        prefill_urls=tuple(w.url for w in prefills),
+        decode_urls=tuple(w.url for w in decodes),
+        policy="cache_aware",
+    )
+    system = {"role": "system", "content": "You are a careful assistant. " * 30}
+    for i in range(6):
+        body = {**CHAT, "messages": [system, {"role": "user", "content": f"question {i}"}]}
+        assert (await post(router, body))[0] == 200
+    assert sorted(len(w.requests) for w in prefills) == [0, 0, 6]
+    assert sorted(len(w.requests) for w in decodes) == [0, 6]
+    other = {**CHAT, "messages": [{"role": "user", "content": "unrelated " * 80}]}
+    assert (await post(router, other))[0] == 200
+    assert sorted(len(w.requests) for w in prefills) == [0, 1, 6]  # the least loaded

@@ -42,6 +42,7 @@ def _register() -> RegisterMsg:
         _register(),
         RegisterReplyMsg("prefill-0", "inc9", "prefill-0@inc9"),
         RoomMsg("decode-0", "inc1", 7, [3, 1, 2], 40),
+        RoomMsg("decode-0", "inc1", 8, [5], 40, num_cached_pages=2),
         AbortMsg("decode-0", "inc1", 7, "client went away"),
         AbortReplyMsg("prefill-0", "inc9", True),
         HeartbeatMsg("decode-0", "inc1"),

@@ -70,6 +70,39 @@ async def test_scattered_pages_in_chunks_arrive_intact(endpoints: Endpoints) -> 
     assert sender.stats["chunks_sent"] == 4 and r_room.num_chunks == 3
 
 
+async def test_pages_the_decode_holds_cached_are_not_written_and_all_are_released(
+    endpoints: Endpoints,
+) -> None:
+    sender, s_rel = await endpoints.sender(checksum=True)
+    receiver, _ = await endpoints.receiver(checksum=True)
+    src = [0, 1, 2, 3]
+    fill(sender.pool, src, seed=5)
+    sender.open_room("r9", "req-9")
+    # The decode holds the first two pages of the prompt: it lends two pages for the rest.
+    r_room = await receiver.open_room(
+        "r9", "req-9", LOCAL, sender.bootstrap_port, [30, 31], 60, num_cached_pages=2
+    )
+    assert sender.send("r9", src, 60, first_token=8)
+    assert (await outcome(r_room)).state == RoomState.SUCCESS
+    assert pages_equal(sender.pool, [2, 3], receiver.pool, [30, 31])
+    assert sender.stats["bytes_sent"] == 2 * sender.pool.page_bytes
+    assert await s_rel.wait("r9") == src  # every page the engine handed over comes back
+
+
+async def test_a_decode_holding_every_page_fails_the_room_and_the_pages_come_back(
+    endpoints: Endpoints,
+) -> None:
+    sender, s_rel = await endpoints.sender()
+    receiver, _ = await endpoints.receiver()
+    sender.open_room("r10", "req-10")
+    r_room = await receiver.open_room(
+        "r10", "req-10", LOCAL, sender.bootstrap_port, [30], 16, num_cached_pages=1
+    )
+    assert sender.send("r10", [4], 16, first_token=8)
+    assert (await outcome(r_room)).state == RoomState.FAILED
+    assert await s_rel.wait("r10") == [4]
+
+
 async def test_second_open_of_a_live_room_is_a_duplicate(endpoints: Endpoints) -> None:
     sender, _ = await endpoints.sender()
     room = sender.open_room("dup", "req-a")
