@@ -57,6 +57,9 @@ class VllmServer:
     # back to torch's bf16 matmul ("small" at concurrency 8 on the 2-core EPYC, same hour:
     # 50-58 tok/s in bf16, 119-125 in float32).
     dtype: str = "float32"
+    # Off by default: pd_compare reuses the same seeded prompts at each concurrency, and its
+    # figures compare computing them. bench/reuse_compare.py turns it on (as pdserve's is).
+    prefix_caching: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)  # over tuned_env(python)
     log_path: Path = field(
         default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-vllm-")) / "vllm.log"
@@ -81,14 +84,12 @@ class VllmServer:
         return self.proc.popen
 
     def argv(self) -> list[str]:
-        return [
+        argv = [
             "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
             "--max-model-len", str(self.max_model_len),
-            # pdserve has no prefix cache; with vLLM's, a load that repeats its prompts (each
-            # concurrency of pd_compare reuses the same seeded prompts) would skip prefills.
-            "--no-enable-prefix-caching",
         ]  # fmt: skip
+        return argv + ([] if self.prefix_caching else ["--no-enable-prefix-caching"])
 
     async def __aenter__(self) -> VllmServer:
         await asyncio.to_thread(self.proc.start)

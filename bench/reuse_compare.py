@@ -1,0 +1,380 @@
+"""KV reuse (issue 14): prefix caching and chunked prefill, measured side by side in one run.
+
+    python bench/reuse_compare.py --scenario shared_prefix --model-dir /work/models/tiny \\
+        --vllm-python /work/vllm-venv/bin/python --json-out reuse.json
+    python bench/reuse_compare.py --scenario long_prompt --model-dir /work/models/small
+
+``shared_prefix``: bench/serving.py's ``prefix_repetition`` load (``--num-prefixes`` groups of
+a ``--prefix-len``-token prefix plus ``--input-len`` unique tokens, ``--output-len`` out, at
+``--concurrency``) against each deployment in turn: ``colocated`` (prefix caching on, the
+default), ``colocated-nocache``, ``pd`` (router + prefill + decode; KV bytes sent per request
+from the prefill's ``pdserve_transport_bytes_sent_total``), optionally ``pd-nocache``, and vLLM
+with its prefix caching on (``--vllm-python``). Ratios: TTFT nocache/cache, throughput / vLLM.
+
+``long_prompt``: ``--num-streams`` streams decode on one colocated worker; once every one of
+them streams, a ``--long-len``-token prompt arrives. The streams' inter-token gaps that overlap
+its prefill window (arrival to first token) give ITL p50/p99, against the streams' median ITL
+over the whole run; once with chunked prefill (``--max-num-batched-tokens``), once without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import workloads  # noqa: E402
+from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port, get_json, scrape  # noqa: E402
+from bench.pd_compare import PERF_ARGS, checkpoint  # noqa: E402
+from bench.serving import BenchConfig, run_benchmark  # noqa: E402
+from bench.vllm_ref import VllmServer  # noqa: E402
+from pdserve.cli_common import run_async  # noqa: E402
+
+SCENARIOS = ("shared_prefix", "long_prompt")
+DEPLOYMENTS = ("colocated", "colocated-nocache", "pd", "pd-nocache", "vllm")
+BYTES_SENT = "pdserve_transport_bytes_sent_total"
+READY_S = ClusterSpec(model_dir="").max_ready_s
+
+
+@asynccontextmanager
+async def colocated(model_dir: Path, worker_args: list[str]) -> AsyncIterator[ManagedProc]:
+    """One colocated worker on a free port, ready, stopped on exit."""
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="pdserve-reuse-")) / "colocated.log"
+    proc = ManagedProc("colocated", "colocated",
+                       ["serve", "--role", "colocated", "--model", str(model_dir), "--port",
+                        str(port), "--served-model-name", "bench", *worker_args],
+                       f"http://127.0.0.1:{port}", log)  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        proc.start()
+        try:
+            await proc.wait_ready(session, READY_S)
+            yield proc
+        finally:
+            await asyncio.to_thread(proc.stop)
+
+
+# ---- shared_prefix ----------------------------------------------------------------------
+
+
+def prefix_config(url: str, model_dir: Path, args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        base_url=url, model="bench", endpoint="completions", dataset="prefix_repetition",
+        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, input_len=args.input_len,
+        output_len=args.output_len, num_requests=args.num_requests, concurrency=args.concurrency,
+        tokenizer=str(model_dir), is_progress_shown=False, num_warmup=args.num_warmup,
+        timeout_s=args.request_timeout,
+    )  # fmt: skip
+
+
+async def bench_deployment(dep: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    worker_args = [*args.worker_args, *(["--no-prefix-caching"] if "nocache" in dep else [])]
+    print(f"{dep}: starting", flush=True)
+    if dep == "vllm":
+        server = VllmServer(args.vllm_python, model_dir, free_port(), prefix_caching=True,
+                            max_model_len=max(2048, args.prefix_len + args.input_len
+                                              + args.output_len + 64))  # fmt: skip
+        async with server:
+            return await run_benchmark(prefix_config(server.url, model_dir, args))
+    if dep.startswith("colocated"):
+        async with colocated(model_dir, worker_args) as proc:
+            return await run_benchmark(prefix_config(proc.url, model_dir, args))
+    spec = ClusterSpec(model_dir=str(model_dir), served_model_name="bench",
+                       worker_args=tuple(worker_args), router_args=())  # fmt: skip
+    async with Cluster(spec) as cluster:
+        prefill = cluster.prefills[0].url
+        before = (await scrape(cluster.session, prefill)).get(BYTES_SENT, 0.0)
+        summary = await run_benchmark(prefix_config(cluster.router.url, model_dir, args))
+        after = (await scrape(cluster.session, prefill)).get(BYTES_SENT, 0.0)
+    # The warm-up requests went through the prefill too.
+    num_sent = summary["num_completed"] + args.num_warmup
+    summary["kv_bytes_sent_per_request"] = (after - before) / num_sent if num_sent else None
+    return summary
+
+
+def _get(s: dict[str, Any] | None, *path: str) -> float | None:
+    value: Any = s
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def report_shared_prefix(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    rows = []
+    ref = _get(results.get("vllm"), "output_throughput")
+    print(f"\n== shared_prefix ==\n{'deployment':<19}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'TPOT p50':>10}{'tok/s':>9}{'hit rate':>10}{'KV B/req':>12}{'x vLLM':>8}")  # fmt: skip
+    for dep, s in results.items():
+        row = {"deployment": dep, "ttft_p50_ms": _get(s, "ttft_ms", "p50"),
+               "ttft_p99_ms": _get(s, "ttft_ms", "p99"), "tpot_p50_ms": _get(s, "tpot_ms", "p50"),
+               "tok_s": _get(s, "output_throughput"),
+               "prefix_cache_hit_rate": _get(s, "prefix_cache_hit_rate"),
+               "kv_bytes_sent_per_request": _get(s, "kv_bytes_sent_per_request"),
+               "errors": s["num_errors"]}  # fmt: skip
+        row["x_vllm"] = _ratio(row["tok_s"], ref)
+        rows.append(row)
+        cells = [
+            row[k]
+            for k in (
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "tpot_p50_ms",
+                "tok_s",
+                "prefix_cache_hit_rate",
+                "kv_bytes_sent_per_request",
+                "x_vllm",
+            )
+        ]
+        widths = (10, 10, 10, 9, 10, 12, 8)
+        print(f"{dep:<19}" + "".join(f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"
+                                      for v, w in zip(cells, widths, strict=True)))  # fmt: skip
+    by = {r["deployment"]: r for r in rows}
+
+    def nocache_over_cache(base: str) -> float | None:
+        return _ratio((by.get(f"{base}-nocache") or {}).get("ttft_p50_ms"),
+                      (by.get(base) or {}).get("ttft_p50_ms"))  # fmt: skip
+
+    ratios = {"ttft_nocache_over_cache_colocated": nocache_over_cache("colocated"),
+              "ttft_nocache_over_cache_pd": nocache_over_cache("pd"),
+              "pd_kv_bytes_cache_over_nocache": _ratio(
+                  (by.get("pd") or {}).get("kv_bytes_sent_per_request"),
+                  (by.get("pd-nocache") or {}).get("kv_bytes_sent_per_request"))}  # fmt: skip
+    print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None))
+    return {"rows": rows, "ratios": ratios, "summaries": results}
+
+
+async def run_shared_prefix(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    results = {dep: await bench_deployment(dep, model_dir, args) for dep in args.deps}
+    return report_shared_prefix(results)
+
+
+# ---- long_prompt ------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """One streamed completion: the arrival time of each SSE chunk that carries text."""
+
+    sent_at: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+async def stream(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, out: Stream,
+    on_token: asyncio.Event | None, timeout_s: float,
+) -> None:  # fmt: skip
+    """POST a streamed completion; ``on_token`` is set at its second token (or its end)."""
+    payload = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+               "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    out.sent_at = time.perf_counter()
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.post(f"{url}/v1/completions", json=payload, timeout=timeout) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            async for line in resp.content:
+                now = time.perf_counter()
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                obj = orjson.loads(line[5:].strip())
+                if "error" in obj:
+                    out.error = str(obj["error"])[:200]
+                    return
+                if any(c.get("text") for c in obj.get("choices") or ()):
+                    out.token_times.append(now)
+                    if on_token is not None and len(out.token_times) == 2:
+                        on_token.set()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        if on_token is not None:
+            on_token.set()  # ended (or failed) early: nobody waits for its second token
+
+
+def window_itls(streams: list[Stream], lo: float, hi: float) -> list[float]:
+    """The streams' inter-token gaps that overlap ``(lo, hi)``: a stall across it counts."""
+    gaps = []
+    for s in streams:
+        t = np.asarray(s.token_times)
+        if len(t) > 1:
+            a, b = t[:-1], t[1:]
+            gaps += (b - a)[(b > lo) & (a < hi)].tolist()
+    return gaps
+
+
+def _pct_ms(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values) * 1000.0, q)) if values else None
+
+
+async def streams_and_long_prompt(
+    url: str, model_dir: Path, args: argparse.Namespace
+) -> tuple[list[Stream], Stream, int]:
+    """Start the streams; once each streams, send the long prompt; wait for them all."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        info = await get_json(session, f"{url}/server_info")
+        long_len = min(args.long_len, int(info["max_model_len"]) - args.long_output_len - 1)
+        tok = str(model_dir)
+        short = workloads.make_prompts("random", args.num_streams + 1, args.stream_input_len,
+                                       seed=1, tokenizer=tok)  # fmt: skip
+        (long_prompt,) = workloads.make_prompts("random", 1, long_len, seed=2, tokenizer=tok)
+        warm = Stream()  # compiles / warms the runner, so the first stream is not an outlier
+        await stream(session, url, short[-1], 4, warm, None, args.request_timeout)
+        if warm.error:
+            raise RuntimeError(f"warm-up failed: {warm.error}")
+        started = [asyncio.Event() for _ in range(args.num_streams)]
+        streams = [Stream() for _ in range(args.num_streams)]
+        tasks = [asyncio.create_task(stream(session, url, short[i], args.stream_output_len,
+                                            streams[i], started[i], args.request_timeout))
+                 for i in range(args.num_streams)]  # fmt: skip
+        long = Stream()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)),
+                                   args.request_timeout)  # fmt: skip
+            await stream(session, url, long_prompt, args.long_output_len, long, None,
+                         args.request_timeout)  # fmt: skip
+            await asyncio.wait_for(asyncio.gather(*tasks), args.request_timeout)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return streams, long, long_len
+
+
+async def long_prompt_once(model_dir: Path, args: argparse.Namespace, chunked: bool) -> dict:
+    budget = args.max_num_batched_tokens if chunked else max(args.long_len, 2048) + 64
+    flags = [
+        "--max-num-batched-tokens",
+        str(budget),
+        *([] if chunked else ["--no-chunked-prefill"]),
+    ]
+    async with colocated(model_dir, [*args.worker_args, *flags]) as proc:
+        streams, long, long_len = await streams_and_long_prompt(proc.url, model_dir, args)
+    errors = [s.error for s in [*streams, long] if s.error]
+    if errors or not long.token_times:
+        raise RuntimeError(f"long_prompt requests failed: {errors[:3] or 'no tokens'}")
+    first = long.token_times[0]
+    window = window_itls(streams, long.sent_at, first)
+    all_itls = window_itls(streams, -np.inf, np.inf)
+    p50_all = _pct_ms(all_itls, 50)
+    p99_win = _pct_ms(window, 99)
+    still = sum(1 for s in streams if s.token_times[-1] > first)
+    return {"chunked": chunked, "max_num_batched_tokens": budget, "long_len": long_len,
+            "long_ttft_ms": (first - long.sent_at) * 1000.0,
+            "window_itl_p50_ms": _pct_ms(window, 50), "window_itl_p99_ms": p99_win,
+            "all_itl_p50_ms": p50_all, "num_window_itls": len(window),
+            "streams_running_after_first_token": still,
+            "window_p99_over_median": _ratio(p99_win, p50_all)}  # fmt: skip
+
+
+async def run_long_prompt(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    runs = {}
+    for chunked in (True, False):
+        print(f"long_prompt: chunked={chunked}", flush=True)
+        runs["chunked" if chunked else "unchunked"] = await long_prompt_once(model_dir, args,
+                                                                             chunked)  # fmt: skip
+    ttft_ratio = _ratio(runs["chunked"]["long_ttft_ms"], runs["unchunked"]["long_ttft_ms"])
+    print(f"\n== long_prompt: {args.num_streams} streams + a {runs['chunked']['long_len']}-token "
+          f"prompt ==\n{'mode':<11}{'TTFT ms':>10}{'ITL p50':>9}{'ITL p99':>9}{'median':>9}"
+          f"{'p99/med':>9}{'gaps':>6}")  # fmt: skip
+    for name, r in runs.items():
+        cells = [r["long_ttft_ms"], r["window_itl_p50_ms"], r["window_itl_p99_ms"],
+                 r["all_itl_p50_ms"], r["window_p99_over_median"]]  # fmt: skip
+        print(f"{name:<11}{cells[0]:>10.1f}" + "".join(
+            f"{v:>9.2f}" if v is not None else f"{'-':>9}" for v in cells[1:]
+        ) + f"{r['num_window_itls']:>6}")  # fmt: skip
+    print(f"TTFT chunked/unchunked {ttft_ratio or 0:.2f}")
+    return {"runs": runs, "ratios": {"ttft_chunked_over_unchunked": ttft_ratio}}
+
+
+# ---- command line -----------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--scenario", default="shared_prefix,long_prompt", help="comma list")
+    p.add_argument("--config", default="demo", help="demo, tiny or small (pd_compare's SHAPES)")
+    p.add_argument("--model-dir", default=None, help="a written checkpoint (over --config)")
+    p.add_argument("--worker-args", default=" ".join(PERF_ARGS), help="pdserve worker flags")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds, each wait")
+    p.add_argument("--json-out", default=None)
+    g = p.add_argument_group("shared_prefix")
+    g.add_argument(
+        "--deployments",
+        default="colocated,colocated-nocache,pd",
+        help=f"comma list of {', '.join(DEPLOYMENTS)} (vllm: with --vllm-python)",
+    )
+    g.add_argument("--vllm-python", default=None, help="adds vLLM (prefix caching on)")
+    g.add_argument("--num-prefixes", type=int, default=16)
+    g.add_argument("--prefix-len", type=int, default=1024)
+    g.add_argument("--input-len", type=int, default=64, help="unique tokens per request")
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--concurrency", type=int, default=8)
+    g.add_argument("--num-requests", type=int, default=64)
+    g.add_argument("--num-warmup", type=int, default=1)
+    g = p.add_argument_group("long_prompt")
+    g.add_argument("--num-streams", type=int, default=8)
+    g.add_argument("--stream-input-len", type=int, default=32)
+    g.add_argument("--stream-output-len", type=int, default=256)
+    g.add_argument("--long-len", type=int, default=4096, help="capped by max_model_len")
+    g.add_argument("--long-output-len", type=int, default=8)
+    g.add_argument("--max-num-batched-tokens", type=int, default=256, help="chunked run's budget")
+    args = p.parse_args(argv)
+    args.scenarios = args.scenario.split(",")
+    args.deps = args.deployments.split(",")
+    if args.vllm_python and "vllm" not in args.deps:
+        args.deps.append("vllm")
+    bad = [s for s in args.scenarios if s not in SCENARIOS] + [
+        d for d in args.deps if d not in DEPLOYMENTS
+    ]
+    if bad or ("vllm" in args.deps and not args.vllm_python):
+        p.error(f"unknown scenario/deployment {bad} (vllm needs --vllm-python)")
+    args.worker_args = shlex.split(args.worker_args)
+    return args
+
+
+async def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pdserve-ckpt-") as tmp:
+        model_dir = checkpoint(args.config, Path(tmp), args.model_dir)
+        if "shared_prefix" in args.scenarios:
+            out["shared_prefix"] = await run_shared_prefix(model_dir, args)
+        if "long_prompt" in args.scenarios:
+            out["long_prompt"] = await run_long_prompt(model_dir, args)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = run_async(run_all(args))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
+    errors = sum(r["errors"] for r in out.get("shared_prefix", {}).get("rows", []))
+    print(f"\nrequests that failed: {errors}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
