@@ -30,7 +30,7 @@ format: install
 	$(BIN)/ruff check --fix pdserve tests bench
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: install
 	$(BIN)/python bench/fsm_bench.py
