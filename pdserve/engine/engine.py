@@ -526,12 +526,15 @@ class Engine:
         return ages
 
     def load(self) -> dict[str, int]:
-        """What a router weighs this worker by: requests per state and free KV pages."""
+        """What a router weighs this worker by: requests per state and free KV pages.
+
+        ``free_pages`` counts what a new request can get now: empty pages and unreferenced
+        cached ones (evicted on demand), so a warm prefix cache never reads as a full pool."""
         alloc = self.allocator
         return {
             **self.count_by_state(),
             "num_requests": len(self._requests),
-            "free_pages": alloc.num_free,
+            "free_pages": alloc.num_available,
             "total_pages": alloc.num_pages,
             "page_size": self.runner.kv_config.page_size,
         }

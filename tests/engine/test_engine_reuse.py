@@ -108,6 +108,19 @@ async def test_concurrent_requests_share_cached_pages_and_give_them_back(f32_run
         await engine.stop()
 
 
+async def test_cached_pages_count_as_free_in_the_load_a_router_reads(f32_runner: ModelRunner):
+    engine = await started(f32_runner)
+    try:
+        await collect(engine, "warm", list(range(30, 54)), **GREEDY)
+        await assert_idle(engine)
+        alloc = engine.allocator
+        assert alloc.num_cached > 0 and alloc.num_free < alloc.num_pages  # the cache holds pages
+        load = engine.load()
+        assert load["free_pages"] == load["total_pages"] == alloc.num_pages  # all reclaimable
+    finally:
+        await engine.stop()
+
+
 async def test_running_stream_gets_a_token_every_step_of_a_long_prompts_prefill(
     f32_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ):
