@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.output import OutputState
+from pdserve.engine.page_frees import PageFrees
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.protocol import (
     EngineError,
@@ -32,7 +33,7 @@ from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
 from pdserve.engine.warmup import warm_up
 from pdserve.kernels.kv_cache import PageAllocator
-from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, wait_kv_ready
+from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
 from pdserve.kernels.prompt_logprobs import PromptLogprobs
 from pdserve.model_runner import RunnerOutput
 from pdserve.sequence import Sequence
@@ -46,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 # Pages freed during a step wait for the step's KV writes to finish on the device; a marker
 # still incomplete after this long means a hung device: logged, and the pages stay held.
-_KV_READY_WARN_S = 30.0
 
 
 class _StepOutput(NamedTuple):
@@ -93,10 +93,7 @@ class Engine:
         self._runner_thread = runner_thread or RunnerThread()  # the one that loaded the model
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._stepping = False
-        self._deferred_frees: list[int] = []
-        self._free_waits: set[asyncio.Task[None]] = set()  # frees waiting on a step's marker
-        self._last_kv_ready: KVReady = ALWAYS_READY  # the marker of the last step that ended
+        self._frees = PageFrees(self.allocator, self._on_pages_freed)
         # Deltas of the last step for requests that go on: emitted while the next step computes.
         self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
         self._ready = False
@@ -124,7 +121,7 @@ class Engine:
         for req in list(self._requests.values()):
             msg = "server shutting down" if code is None else f"server shutting down ({code})"
             self._fail(req, EngineError(msg, 503, "service_unavailable", code))
-        tasks = [t for t in (self._loop_task, *self._free_waits) if t is not None]
+        tasks = [t for t in (self._loop_task, *self._frees.waits) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -236,7 +233,7 @@ class Engine:
                 await self._wake.wait()
                 continue
             seqs = (batch.decode, batch.prefill_seqs())
-            self._stepping = True
+            self._frees.begin_step()
             fut = self._runner_thread.submit(self._step, seqs)
             # Overlap: the previous step's detokenization, stop-string checks and streaming run
             # on the loop while the runner thread computes this step.
@@ -251,8 +248,7 @@ class Engine:
                     self._fail(req, EngineError(f"model step failed: {e}", 500, "internal_error"))
                 continue
             finally:
-                self._stepping = False
-                self._flush_frees(kv_ready)
+                self._frees.end_step(kv_ready)
             self._apply(batch, out.decode, out.prefill)
 
     def _step(self, seqs: tuple[list[Request], list[Sequence]]) -> _StepOutput:
@@ -437,7 +433,7 @@ class Engine:
         elif req.pages_in_room and req.num_prefix_pages:
             # Its room frees the pages lent to it; the cached prefix before them is ours.
             self.free_pages(req.seq.page_ids[: req.num_prefix_pages])
-        if not self._stepping:
+        if not self._frees.is_stepping:
             # While a forward runs, the runner thread may be reading this sequence's page ids
             # (an abort lands between schedule() and the forward): leave them; the free above
             # is deferred to the step's end and the finished request is never scheduled again.
@@ -455,37 +451,13 @@ class Engine:
         await self._idle.wait()
 
     def free_pages(self, pages: list[int]) -> None:
-        # While a forward runs, its pages may still be written: defer frees to the step's end.
-        # After it, a page is reused (by a NIXL write, another room) only once the last step's
-        # KV writes are done on the device (at once on the CPU).
-        if self._stepping:
-            self._deferred_frees.extend(pages)
-        elif not self._last_kv_ready.query():
-            task = asyncio.get_running_loop().create_task(
-                self._free_when_ready(self._last_kv_ready, pages), name="pdserve-free-when-ready"
-            )
-            self._free_waits.add(task)
-            task.add_done_callback(self._free_waits.discard)
-        else:
-            self.allocator.free(pages)
-            self._wake.set()
-            if self.handoff is not None:
-                self.handoff.on_pages_freed()
+        """Give pages back once nothing may still write them (engine/page_frees.py)."""
+        self._frees.free(pages)
 
-    def _flush_frees(self, kv_ready: KVReady) -> None:
-        """At a step's end: free what it deferred, once ``kv_ready`` (the step's marker) is."""
-        self._last_kv_ready = kv_ready
-        if self._deferred_frees:
-            pages, self._deferred_frees = self._deferred_frees, []
-            self.free_pages(pages)
-
-    async def _free_when_ready(self, kv_ready: KVReady, pages: list[int]) -> None:
-        while not await wait_kv_ready(kv_ready, _KV_READY_WARN_S):
-            logger.error(
-                "%d freed KV pages still wait for a step's device writes after %.0fs (device "
-                "hung?); they stay held", len(pages), _KV_READY_WARN_S,
-            )  # fmt: skip
-        self.free_pages(pages)
+    def _on_pages_freed(self) -> None:
+        self._wake.set()
+        if self.handoff is not None:
+            self.handoff.on_pages_freed()
 
     # ---- deadlines -------------------------------------------------------------------------
     def arm(self, req: Request, seconds: float, label: str) -> None:
