@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,21 +132,27 @@ class Cluster:
     def procs(self) -> list[Proc]:
         return [self.prefill, self.decode, self.router]
 
+    @contextmanager
+    def running(self) -> Iterator[Cluster]:
+        """Start every process, wait until each is ready, and stop them (router first) after."""
+        try:
+            for p in self.procs:
+                p.start()
+            for p in self.procs:
+                p.wait_ready()
+            yield self
+        finally:
+            for p in reversed(self.procs):
+                p.stop()
+
 
 @pytest.fixture(scope="session")
 def pd_cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("pd")
-    pre = worker(tmp, "prefill-0", "prefill", demo_model_dir).start()
-    dec = worker(tmp, "decode-0", "decode", demo_model_dir).start()
-    rt = router(tmp, [pre], [dec]).start()
-    cluster = Cluster(pre, dec, rt)
-    try:
-        for p in cluster.procs:
-            p.wait_ready()
+    pre = worker(tmp, "prefill-0", "prefill", demo_model_dir)
+    dec = worker(tmp, "decode-0", "decode", demo_model_dir)
+    with Cluster(pre, dec, router(tmp, [pre], [dec])).running() as cluster:
         yield cluster
-    finally:
-        for p in reversed(cluster.procs):
-            p.stop()
 
 
 @pytest.fixture(scope="session")

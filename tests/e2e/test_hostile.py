@@ -98,15 +98,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     rt = router(tmp, [pre], [dec], "--api-key", KEY, "--max-body-kb", str(MAX_BODY // 1024))
     c = Cluster(pre, dec, rt)
     assign_distinct_ports(c.procs)
-    for p in c.procs:
-        p.start()
-    try:
-        for p in c.procs:
-            p.wait_ready()
+    with c.running():
         yield c
-    finally:
-        for p in reversed(c.procs):
-            p.stop()
 
 
 def _assert_openai_error(status: int, raw: bytes, expected: int) -> None:

@@ -31,15 +31,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     dec = worker(tmp, "decode-0", "decode", demo_model_dir, *lease)
     c = Cluster(pre, dec, router(tmp, [pre], [dec]))
     assign_distinct_ports(c.procs)
-    for p in c.procs:
-        p.start()
-    try:
-        for p in c.procs:
-            p.wait_ready()
+    with c.running():
         yield c
-    finally:
-        for p in reversed(c.procs):
-            p.stop()
 
 
 def exported_names(text: str) -> set[str]:

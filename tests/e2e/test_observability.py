@@ -58,14 +58,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     assign_distinct_ports(c.procs)
     for p in c.procs:
         p.env["PDSERVE_LOG_LEVEL"] = "DEBUG"
-        p.start()
-    try:
-        for p in c.procs:
-            p.wait_ready()
+    with c.running():
         yield c
-    finally:
-        for p in reversed(c.procs):
-            p.stop()
 
 
 # -- a stuck request, observed once for the tests below -------------------------------------------
