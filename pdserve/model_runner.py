@@ -48,7 +48,7 @@ from pdserve.kv_sizing import (
 )
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtype import resolve_dtype
-from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch
+from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
 from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_weights, stored_dtype
@@ -268,21 +268,29 @@ class ModelRunner:
 
     def prefill(self, seqs: list[Sequence]) -> RunnerOutput:
         """Compute each sequence's uncached tokens in one packed forward; sample one token each."""
+        return self.mixed(seqs, [])
+
+    def mixed(self, prefill: list[Sequence], decode: list[Sequence]) -> RunnerOutput:
+        """One forward of ``prefill``'s uncached tokens (prompt chunks) and one decode row per
+        ``decode`` sequence: the weights are read once for both, and the decode rows keep the
+        decode attention kernel. One token per sequence, ``prefill`` first, then ``decode``."""
         t0 = time.perf_counter()
-        self._check_seqs(seqs, is_decode=False)
+        self._check_seqs(prefill, is_decode=False)
+        if decode:
+            self._check_seqs(decode, is_decode=True)
         self._use_threads(self.prefill_threads)
-        batch, last_rows = self._extend_batch(seqs)
+        batch, sample_rows = self._extend_batch(prefill, decode)
         t1 = time.perf_counter()
         hidden = self._forward(batch)
         kv_ready = record_kv_ready(self.device)  # the room's pages are written before this
-        logits = self.model.logits(hidden[last_rows])
+        logits = self.model.logits(hidden[sample_rows])
         t2 = time.perf_counter()
-        out = self._sample(logits, seqs)
+        out = self._sample(logits, prefill + decode)
         out.kv_ready = kv_ready
-        if any(wants_prompt_logprobs(s) for s in seqs):
+        if any(wants_prompt_logprobs(s) for s in prefill):
             with torch.inference_mode():
                 out.prompt_logprobs = prompt_logprobs_for(
-                    self.model.logits, hidden, batch.prefill_seqs, seqs
+                    self.model.logits, hidden, batch.prefill_seqs, prefill
                 )
         st = self.stats
         st.num_prefill_calls += 1
@@ -346,7 +354,7 @@ class ModelRunner:
         """Float32 logits ``(B, vocab)`` at each sequence's last token; writes K/V of new tokens."""
         self._check_seqs(seqs, is_decode=False)
         self._use_threads(self.prefill_threads)
-        batch, last_rows = self._extend_batch(seqs)
+        batch, last_rows = self._extend_batch(seqs, [])
         return self.model.logits(self._forward(batch)[last_rows])
 
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -372,8 +380,13 @@ class ModelRunner:
                     f"(cached {s.num_cached_tokens} of {s.num_tokens})"
                 )
 
-    def _extend_batch(self, seqs: list[Sequence]) -> tuple[ForwardBatch, torch.Tensor]:
-        return extend_batch(seqs, self.kv_config.page_size, self.kv_pool.scratch_page, self.device)
+    def _extend_batch(
+        self, prefill: list[Sequence], decode: list[Sequence]
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        page_size, scratch = self.kv_config.page_size, self.kv_pool.scratch_page
+        if decode:
+            return mixed_batch(prefill, decode, page_size, scratch, self.device)
+        return extend_batch(prefill, page_size, scratch, self.device)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(batch)

@@ -116,9 +116,8 @@ def test_prefill_after_cached_prefix_equals_full_prefill(runner: ModelRunner) ->
 def test_decode_rows_in_a_prefill_batch_get_their_decode_logits(
     checkpoint: Path, backend: str
 ) -> None:
-    """A mixed step (chunked prefill): decode rows ride the extend path as one-token rows over
-    their cached context, after a prompt chunk; each backend's extend must give them what its
-    decode step gives."""
+    """One-token rows over a cached context in an extend batch (a prefix-cache hit one token
+    short of the prompt's end) get what a decode step gives them, in each backend."""
     try:
         runner = ModelRunner(
             RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=64,
@@ -136,6 +135,38 @@ def test_decode_rows_in_a_prefill_batch_get_their_decode_logits(
     chunk = Sequence("chunk", long[:8], 8, page_ids=book.seq("c", long).page_ids)
     got = runner.prefill_logits([chunk, *rows])
     torch.testing.assert_close(got[1:], expected, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_a_mixed_step_samples_what_a_prefill_and_a_decode_step_sample_apart(
+    checkpoint: Path, backend: str
+) -> None:
+    """ModelRunner.mixed (chunked prefill): decode rows after a prompt chunk, in one forward,
+    get the decode step's tokens and logprobs, and the chunk its prefill's."""
+    try:
+        runner = ModelRunner(
+            RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=64,
+                         attention_backend=backend)
+        )  # fmt: skip
+    except ValueError as e:
+        pytest.skip(str(e))
+    book = PageBook()
+    greedy = SamplingParams(temperature=0, logprobs=True)
+    rows = [book.seq(f"d{i}", _prompt(5 + 4 * i, seed=40 + i), greedy) for i in range(3)]
+    for row, tok in zip(rows, runner.prefill(rows).token_ids, strict=True):
+        row.token_ids.append(tok)
+        row.num_cached_tokens = row.num_tokens - 1
+    long = _prompt(11, seed=50)
+    pages = book.seq("c", long).page_ids
+    whole = runner.prefill([Sequence("w", long, 11, greedy, pages)])
+    runner.prefill([Sequence("c", long[:6], 6, greedy, pages)])  # the first chunk
+    apart = runner.decode(rows)
+    mixed = runner.mixed([Sequence("c", long, 11, greedy, pages, 6)], rows)
+    assert mixed.token_ids == whole.token_ids + apart.token_ids
+    assert mixed.logprobs is not None and apart.logprobs is not None
+    got = [lp.logprob for lp in mixed.logprobs if lp is not None]
+    want = [lp.logprob for lp in (whole.logprobs or []) + apart.logprobs if lp is not None]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-4, rtol=1e-4)
 
 
 def test_prefill_and_decode_do_not_mutate_sequences(runner: ModelRunner) -> None:

@@ -4,9 +4,11 @@ A backend owns how attention reads and writes the KV page pool: per forward it p
 metadata (:meth:`AttentionBackend.init_forward_metadata`), then for each layer it stores the
 step's new K/V into the pool and attends, either over packed new tokens and their cached prefix
 (:meth:`~AttentionBackend.forward_extend`) or for one new token per sequence
-(:meth:`~AttentionBackend.forward_decode`). Backends that can be captured in CUDA graphs also
-implement the three graph hooks (static buffers for the largest batch, capture at a bucket
-size, replay). SGLang's attention backends are the model.
+(:meth:`~AttentionBackend.forward_decode`). A mixed step (prompt chunks plus decode rows,
+``ForwardBatch.parts``) runs each part through its own method, so decode rows keep the decode
+kernel while a long prompt is prefilled beside them. Backends that can be captured in CUDA
+graphs also implement the three graph hooks (static buffers for the largest batch, capture at
+a bucket size, replay). SGLang's attention backends are the model.
 
 Backends (one per kernel family, each tested against the torch reference):
 
@@ -67,13 +69,35 @@ class AttentionBackend(ABC):
         self.page_size = kv_pool.config.page_size
         self.layer_pools = [kv_pool.layer_view(i) for i in range(kv_pool.config.num_layers)]
 
-    @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Prepare whatever every layer of this forward shares (called once per forward)."""
+        if batch.parts is not None:
+            extend, decode = batch.parts
+            self.init_extend_metadata(extend)
+            self.init_decode_metadata(decode)
+        elif batch.is_decode:
+            self.init_decode_metadata(batch)
+        else:
+            self.init_extend_metadata(batch)
+
+    def init_extend_metadata(self, batch: ForwardBatch) -> None:
+        """Per-forward preparation of an extend batch (or a mixed step's extend part)."""
+        return  # nothing by default
+
+    def init_decode_metadata(self, batch: ForwardBatch) -> None:
+        """Per-forward preparation of a decode batch (or a mixed step's decode rows)."""
+        return  # nothing by default
 
     def forward(
         self, layer: int, q: torch.Tensor, new_kv: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
+        if batch.parts is not None:
+            extend, decode = batch.parts
+            n = extend.input_ids.shape[0]
+            return torch.cat([
+                self.forward_extend(layer, q[:n], new_kv[:n], extend),
+                self.forward_decode(layer, q[n:], new_kv[n:], decode),
+            ])  # fmt: skip
         if batch.is_decode:
             return self.forward_decode(layer, q, new_kv, batch)
         return self.forward_extend(layer, q, new_kv, batch)

@@ -27,7 +27,7 @@ class CppAttentionBackend(TorchAttentionBackend):
         if self._kernel is None:
             raise ValueError(f"the C++ attention kernel does not run here ({kv.dtype})")
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def init_decode_metadata(self, batch: ForwardBatch) -> None:
         pass  # the kernel reads the lengths and the block table itself
 
     def forward_decode(

@@ -40,9 +40,10 @@ class TorchAttentionBackend(AttentionBackend):
         self._key_mask: torch.Tensor | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self._context = self._key_mask = None
-        if not batch.is_decode:
-            return
+        self._context = self._key_mask = None  # an extend-only forward uses neither
+        super().init_forward_metadata(batch)
+
+    def init_decode_metadata(self, batch: ForwardBatch) -> None:
         assert batch.context_lens is not None
         self._context = DecodeContext(self.kv_pool.storage, batch.block_table, batch.context_lens)
         self._key_mask = self._decode_mask(batch)

@@ -47,9 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
         splits = num_splits_for(num_seqs, c.num_kv_heads, self.num_sms)
         return splits, workspace_floats(num_seqs, c.num_heads, splits, c.head_dim)
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if not batch.is_decode:
-            return
+    def init_decode_metadata(self, batch: ForwardBatch) -> None:
         self._num_splits, floats = self._splits_and_floats(batch.num_seqs)
         self._workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
 

@@ -252,9 +252,8 @@ class Engine:
             self._apply(batch, out.decode, out.prefill)
 
     def _step(self, seqs: tuple[list[Request], list[Sequence]]) -> _StepOutput:
-        """Runner thread: one forward for the step. A mixed step runs its decode rows through
-        the prefill path, as one-token rows over their cached context after the prompt chunks,
-        so the weights are read once for both (on a CPU the decode rows then cost little)."""
+        """Runner thread: one forward for the step. A mixed step's decode rows ride in the
+        prompt chunks' forward (:meth:`ModelRunner.mixed`): the weights are read once for both."""
         decode, prefill = seqs
         if not prefill:
             out = self.runner.decode([r.seq for r in decode])
@@ -262,7 +261,7 @@ class Engine:
         if not decode:
             out = self.runner.prefill(prefill)
             return _StepOutput(None, out, out.kv_ready)
-        out = self.runner.prefill(prefill + [r.seq for r in decode])
+        out = self.runner.mixed(prefill, [r.seq for r in decode])
         n, lps, plps = len(prefill), out.logprobs, out.prompt_logprobs
         return _StepOutput(
             RunnerOutput(out.token_ids[n:], lps[n:] if lps else None),

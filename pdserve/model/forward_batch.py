@@ -1,7 +1,9 @@
 """What one forward needs besides the weights: token ids, positions, KV slots, page tables.
 
 Both kinds of batch are built as one host buffer of int64 values and reach the device in one
-copy (from pinned memory, asynchronously, on CUDA); every field is a view of that tensor.
+copy (from pinned memory, asynchronously, on CUDA); every field is a view of that tensor. A
+mixed step (prompt chunks and decode rows, :func:`mixed_batch`) puts the extend layout and the
+decode layout in one buffer and concatenates their per-row fields on the device.
 
 Decode layout (``B`` rows, block-table width ``W``)::
 
@@ -31,7 +33,8 @@ DECODE_FIELDS = 5  # input_ids, positions, context_lens, page_idx, page_offset
 class ForwardBatch:
     """One forward's inputs. ``is_decode``: one new token per sequence (``context_lens``,
     ``block_table_width``); otherwise a packed extend (prefill over an optional cached prefix:
-    ``prefill_seqs``, ``q_starts``, ``num_new``, ``num_cached``)."""
+    ``prefill_seqs``, ``q_starts``, ``num_new``, ``num_cached``), or, with ``parts``, a mixed
+    step of an extend batch followed by decode rows."""
 
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
@@ -50,6 +53,9 @@ class ForwardBatch:
     num_new: torch.Tensor | None = None  # (B,) int64
     num_cached: torch.Tensor | None = None  # (B,) int64
     max_new: int = 0  # host: the largest num_new
+    # mixed (prompt chunks and decode rows in one forward): the extend batch of the first rows
+    # and the decode batch of the rest; the fields above then span all rows
+    parts: tuple[ForwardBatch, ForwardBatch] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -124,14 +130,9 @@ def decode_batch(
     return decode_batch_views(data, len(seqs), width, min(lens), max(lens))
 
 
-def extend_batch(
-    seqs: list[Sequence], page_size: int, scratch_page: int, device: torch.device
-) -> tuple[ForwardBatch, torch.Tensor]:
-    """The packed batch of each sequence's uncached tokens, and the rows of their last tokens.
-
-    Layout: ``[new token ids (T) | q_starts (B) | num_new (B) | num_cached (B) | table (B*W)]``.
-    """
-    num_seqs = len(seqs)
+def extend_values(seqs: list[Sequence], page_size: int, scratch_page: int) -> list[int]:
+    """The extend layout's host values for ``seqs``:
+    ``[new token ids (T) | q_starts (B) | num_new (B) | num_cached (B) | table (B*W)]``."""
     num_pages = [-(-s.num_tokens // page_size) for s in seqs]
     width = max(num_pages)
     new_ids: list[int] = []
@@ -144,17 +145,29 @@ def extend_batch(
     for s, n in zip(seqs, num_pages, strict=True):
         flat += s.page_ids[:n]
         flat += [scratch_page] * (width - n)
-    data = to_device(flat, device)
-    num_tokens = len(new_ids)
+    return flat
+
+
+def extend_batch_views(
+    data: torch.Tensor, seqs: list[Sequence], page_size: int
+) -> tuple[ForwardBatch, torch.Tensor]:
+    """An extend :class:`ForwardBatch` over ``data`` (the extend layout of ``seqs``), and the
+    packed rows of each sequence's last token."""
+    num_seqs = len(seqs)
+    num_pages = [-(-s.num_tokens // page_size) for s in seqs]
+    num_new = [s.num_tokens - s.num_cached_tokens for s in seqs]
+    num_tokens = sum(num_new)
     input_ids = data[:num_tokens]
     q_starts, new_t, cached_t = data[num_tokens : num_tokens + 3 * num_seqs].view(3, num_seqs)
-    table = data[num_tokens + 3 * num_seqs :].view(num_seqs, width)
+    table = data[num_tokens + 3 * num_seqs :].view(num_seqs, max(num_pages))
     # position of packed row r of sequence i: r - start_i + cached_i
     row_seq = torch.repeat_interleave(
-        torch.arange(num_seqs, device=device), new_t, output_size=num_tokens
+        torch.arange(num_seqs, device=data.device), new_t, output_size=num_tokens
     )
-    positions = torch.arange(num_tokens, device=device) - (q_starts - cached_t)[row_seq]
-    page_idx = table[row_seq, positions // page_size]
+    positions = torch.arange(num_tokens, device=data.device) - (q_starts - cached_t)[row_seq]
+    starts = [0]
+    for n in num_new[:-1]:
+        starts.append(starts[-1] + n)
     metas = [
         PrefillSeqMeta(starts[i], num_new[i], s.num_cached_tokens, table[i, : num_pages[i]])
         for i, s in enumerate(seqs)
@@ -162,7 +175,7 @@ def extend_batch(
     batch = ForwardBatch(
         input_ids=input_ids,
         positions=positions,
-        page_idx=page_idx,
+        page_idx=table[row_seq, positions // page_size],
         page_offset=positions % page_size,
         block_table=table,
         is_decode=False,
@@ -173,3 +186,43 @@ def extend_batch(
         max_new=max(num_new),
     )
     return batch, q_starts + new_t - 1
+
+
+def extend_batch(
+    seqs: list[Sequence], page_size: int, scratch_page: int, device: torch.device
+) -> tuple[ForwardBatch, torch.Tensor]:
+    """The packed batch of each sequence's uncached tokens, and the rows of their last tokens."""
+    data = to_device(extend_values(seqs, page_size, scratch_page), device)
+    return extend_batch_views(data, seqs, page_size)
+
+
+def mixed_batch(
+    prefill: list[Sequence],
+    decode: list[Sequence],
+    page_size: int,
+    scratch_page: int,
+    device: torch.device,
+) -> tuple[ForwardBatch, torch.Tensor]:
+    """One forward of prompt chunks (``prefill``, packed first) and one-token ``decode`` rows,
+    from one host buffer; the rows whose logits are sampled (each prompt's last row, then
+    every decode row). Attention treats the two parts apart (:attr:`ForwardBatch.parts`); the
+    rest of the model sees one batch of all rows."""
+    ext_values = extend_values(prefill, page_size, scratch_page)
+    dec_values, width = decode_values(decode, page_size, scratch_page)
+    data = to_device(ext_values + dec_values, device)
+    extend, last_rows = extend_batch_views(data[: len(ext_values)], prefill, page_size)
+    lens = [s.num_tokens for s in decode]
+    dec = decode_batch_views(data[len(ext_values) :], len(decode), width, min(lens), max(lens))
+    num_extend = extend.input_ids.shape[0]
+    decode_rows = torch.arange(num_extend, num_extend + len(decode), device=data.device)
+    batch = ForwardBatch(
+        input_ids=torch.cat([extend.input_ids, dec.input_ids]),
+        positions=torch.cat([extend.positions, dec.positions]),
+        page_idx=torch.cat([extend.page_idx, dec.page_idx]),
+        page_offset=torch.cat([extend.page_offset, dec.page_offset]),
+        block_table=extend.block_table,
+        is_decode=False,
+        prefill_seqs=extend.prefill_seqs,
+        parts=(extend, dec),
+    )
+    return batch, torch.cat([last_rows, decode_rows])

@@ -15,7 +15,7 @@ from pdserve.attention.factory import create_backend
 from pdserve.kernels import triton as triton_kernels
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.paged_decode import load_kernel
-from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch
+from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
 from pdserve.sequence import Sequence
 
 PAGE, NUM_LAYERS, NUM_KV, HEAD_DIM, GROUP = 4, 2, 2, 64, 4
@@ -100,3 +100,57 @@ def test_no_backend_writes_the_scratch_page_for_real_rows(device: str) -> None:
     for name in ["torch", *_backends(device)]:
         _, pool = _run(name, device, torch.float32, None)
         assert pool.storage[pool.scratch_page].abs().sum() == 0, name
+
+
+def _mixed_vs_apart(name: str, device: str, dtype: torch.dtype, window: int | None) -> None:
+    """One mixed forward (two prompt chunks, then three decode rows) against the extend part
+    and the decode part run alone on a copy of the pool, with the same q and K/V rows."""
+    config = AttentionConfig(GROUP * NUM_KV, NUM_KV, HEAD_DIM, window, max_model_len=64)
+    kv_config = KVCacheConfig(NUM_LAYERS, NUM_KV, HEAD_DIM, NUM_PAGES, PAGE, dtype)
+    pools = [KVPagePool(kv_config, device=device, hugepages=False) for _ in range(2)]
+    gen = torch.Generator().manual_seed(3)
+    order = torch.randperm(NUM_PAGES, generator=gen).tolist()
+    # (tokens, cached): chunks of 5 over 6 cached and of 7 over none; decode rows at 3, 9, 13.
+    shapes = [(11, 6), (7, 0), (3, 2), (9, 8), (13, 12)]
+    seqs = [
+        Sequence(f"s{i}", list(range(n)), n, page_ids=order[4 * i : 4 * i + 4],
+                 num_cached_tokens=c)
+        for i, (n, c) in enumerate(shapes)
+    ]  # fmt: skip
+    for s in seqs:
+        for p in s.page_ids:
+            page = torch.randn(pools[0].kv[p].shape, generator=gen).to(dtype)
+            for pool in pools:
+                pool.kv[p] = page
+    prefill, decode = seqs[:2], seqs[2:]
+    dev = torch.device(device)
+    mixed, rows = mixed_batch(prefill, decode, PAGE, pools[0].scratch_page, dev)
+    extend, last = extend_batch(prefill, PAGE, pools[1].scratch_page, dev)
+    dec = decode_batch(decode, PAGE, pools[1].scratch_page, dev)
+    assert rows.tolist() == [*last.tolist(), 12, 13, 14]
+    together = create_backend(name, config, pools[0])
+    apart = create_backend(name, config, pools[1])
+    together.init_forward_metadata(mixed)
+    outs = []
+    for layer in range(NUM_LAYERS):
+        qkv = torch.randn(15, (GROUP + 2) * NUM_KV, HEAD_DIM, generator=gen).to(dtype).to(device)
+        q, new_kv = qkv[:, : GROUP * NUM_KV], qkv[:, GROUP * NUM_KV :].unflatten(1, (2, NUM_KV))
+        outs.append((together.forward(layer, q, new_kv, mixed), q, new_kv))
+    apart.init_forward_metadata(extend)
+    for layer, (_, q, new_kv) in enumerate(outs):
+        outs[layer] += (apart.forward(layer, q[:12], new_kv[:12], extend),)
+    apart.init_forward_metadata(dec)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for layer, (got, q, new_kv, ext_out) in enumerate(outs):
+        want = torch.cat([ext_out, apart.forward(layer, q[12:], new_kv[12:], dec)])
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=name)
+    assert torch.equal(pools[0].storage, pools[1].storage), name
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_gives_its_chunks_and_decode_rows_what_each_part_gives_alone(
+    device: str, dtype: torch.dtype, window: int | None
+) -> None:
+    for name in ["torch", *_backends(device)]:
+        _mixed_vs_apart(name, device, dtype, window)

@@ -132,3 +132,19 @@ def test_write_layer_kv_places_k_and_v_like_two_writes() -> None:
     kc, vc = _caches()
     write_kv(kc, vc, pages, offsets, kv[:, 0], kv[:, 1])
     assert torch.equal(layer_pool[:, 0], kc) and torch.equal(layer_pool[:, 1], vc)
+
+
+def test_chunks_over_a_cached_prefix_match_dense_with_and_without_a_window() -> None:
+    # Each query of a 7-token chunk after 13 cached tokens: the split (prefix + chunk, merged
+    # by log-sum-exp) without a window, the masked call with one that cuts into the prefix.
+    torch.manual_seed(4)
+    kc, vc = _caches()
+    k, v = torch.randn(20, KV_HEADS, DIM), torch.randn(20, KV_HEADS, DIM)
+    pages = [11, 2, 7, 5, 0]
+    _store(kc, vc, pages, k, v)
+    q = torch.randn(7, HEADS, DIM)
+    seqs = [PrefillSeqMeta(0, 7, 13, torch.tensor(pages))]
+    for window in (None, 5, 64):
+        out = prefill_attention(q, k[13:], v[13:], seqs, kc, vc, DIM**-0.5, window)
+        want = _reference(q, k, v, torch.arange(13, 20), window=window)
+        torch.testing.assert_close(out, want, msg=f"window {window}")
