@@ -14,7 +14,9 @@ with its prefix caching on (``--vllm-python``). Ratios: TTFT nocache/cache, thro
 ``long_prompt``: ``--num-streams`` streams decode on one colocated worker; once every one of
 them streams, a ``--long-len``-token prompt arrives. The streams' inter-token gaps that overlap
 its prefill window (arrival to first token) give ITL p50/p99, against the streams' median ITL
-over the whole run; once with chunked prefill (``--max-num-batched-tokens``), once without.
+over the whole run; once without chunked prefill, then with it at each step budget of
+``--max-num-batched-tokens`` (a comma list sweeps the trade-off between the streams' stalls and
+the long prompt's TTFT).
 """
 
 from __future__ import annotations
@@ -263,11 +265,13 @@ async def streams_and_long_prompt(
     return streams, long, long_len
 
 
-async def long_prompt_once(model_dir: Path, args: argparse.Namespace, chunked: bool) -> dict:
-    budget = args.max_num_batched_tokens if chunked else max(args.long_len, 2048) + 64
+async def long_prompt_once(model_dir: Path, args: argparse.Namespace, budget: int | None) -> dict:
+    """One colocated worker: chunked with ``budget`` tokens per step, or unchunked (None)."""
+    chunked = budget is not None
+    step_tokens = budget if chunked else max(args.long_len, 2048) + 64
     flags = [
         "--max-num-batched-tokens",
-        str(budget),
+        str(step_tokens),
         *([] if chunked else ["--no-chunked-prefill"]),
     ]
     async with colocated(model_dir, [*args.worker_args, *flags]) as proc:
@@ -281,7 +285,7 @@ async def long_prompt_once(model_dir: Path, args: argparse.Namespace, chunked: b
     p50_all = _pct_ms(all_itls, 50)
     p99_win = _pct_ms(window, 99)
     still = sum(1 for s in streams if s.token_times[-1] > first)
-    return {"chunked": chunked, "max_num_batched_tokens": budget, "long_len": long_len,
+    return {"chunked": chunked, "max_num_batched_tokens": step_tokens, "long_len": long_len,
             "long_ttft_ms": (first - long.sent_at) * 1000.0,
             "window_itl_p50_ms": _pct_ms(window, 50), "window_itl_p99_ms": p99_win,
             "all_itl_p50_ms": p50_all, "num_window_itls": len(window),
@@ -290,26 +294,45 @@ async def long_prompt_once(model_dir: Path, args: argparse.Namespace, chunked: b
 
 
 async def run_long_prompt(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    runs = {}
-    for chunked in (True, False):
-        print(f"long_prompt: chunked={chunked}", flush=True)
-        runs["chunked" if chunked else "unchunked"] = await long_prompt_once(model_dir, args,
-                                                                             chunked)  # fmt: skip
-    ttft_ratio = _ratio(runs["chunked"]["long_ttft_ms"], runs["unchunked"]["long_ttft_ms"])
+    """Unchunked first, then chunked at each budget of ``--max-num-batched-tokens`` (a comma
+    list sweeps the trade-off: smaller chunks, shorter stalls, more steps to the first token).
+    The first budget's run is ``runs["chunked"]``, the others ``runs["chunked-<budget>"]``."""
+    budgets = args.max_num_batched_tokens
+    runs: dict[str, dict[str, Any]] = {}
+    print("long_prompt: unchunked", flush=True)
+    runs["unchunked"] = await long_prompt_once(model_dir, args, None)
+    for i, budget in enumerate(budgets):
+        print(f"long_prompt: chunked, {budget} tokens per step", flush=True)
+        runs["chunked" if i == 0 else f"chunked-{budget}"] = await long_prompt_once(
+            model_dir, args, budget
+        )
+    base = runs["unchunked"]["long_ttft_ms"]
+    ratios = {"ttft_chunked_over_unchunked": _ratio(runs["chunked"]["long_ttft_ms"], base)}
     print(f"\n== long_prompt: {args.num_streams} streams + a {runs['chunked']['long_len']}-token "
-          f"prompt ==\n{'mode':<11}{'TTFT ms':>10}{'ITL p50':>9}{'ITL p99':>9}{'median':>9}"
-          f"{'p99/med':>9}{'gaps':>6}")  # fmt: skip
+          f"prompt ==\n{'mode':<11}{'budget':>7}{'TTFT ms':>10}{'x unch':>8}{'ITL p50':>9}"
+          f"{'ITL p99':>9}{'median':>9}{'p99/med':>9}{'gaps':>6}")  # fmt: skip
     for name, r in runs.items():
-        cells = [r["long_ttft_ms"], r["window_itl_p50_ms"], r["window_itl_p99_ms"],
-                 r["all_itl_p50_ms"], r["window_p99_over_median"]]  # fmt: skip
-        print(f"{name:<11}{cells[0]:>10.1f}" + "".join(
-            f"{v:>9.2f}" if v is not None else f"{'-':>9}" for v in cells[1:]
+        r["ttft_over_unchunked"] = _ratio(r["long_ttft_ms"], base)
+        cells = [r["window_itl_p50_ms"], r["window_itl_p99_ms"], r["all_itl_p50_ms"],
+                 r["window_p99_over_median"]]  # fmt: skip
+        print(f"{name:<11}{r['max_num_batched_tokens']:>7}{r['long_ttft_ms']:>10.1f}"
+              f"{r['ttft_over_unchunked'] or 0:>8.2f}" + "".join(
+            f"{v:>9.2f}" if v is not None else f"{'-':>9}" for v in cells
         ) + f"{r['num_window_itls']:>6}")  # fmt: skip
-    print(f"TTFT chunked/unchunked {ttft_ratio or 0:.2f}")
-    return {"runs": runs, "ratios": {"ttft_chunked_over_unchunked": ttft_ratio}}
+    return {"runs": runs, "ratios": ratios}
 
 
 # ---- command line -----------------------------------------------------------------------
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of token counts: {text!r}") from None
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"budgets must be positive: {text!r}")
+    return budgets
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -340,7 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--stream-output-len", type=int, default=256)
     g.add_argument("--long-len", type=int, default=4096, help="capped by max_model_len")
     g.add_argument("--long-output-len", type=int, default=8)
-    g.add_argument("--max-num-batched-tokens", type=int, default=256, help="chunked run's budget")
+    g.add_argument("--max-num-batched-tokens", type=_budgets, default=[256],
+                   help="the chunked runs' step budgets, a comma list (one run each)")  # fmt: skip
     args = p.parse_args(argv)
     args.scenarios = args.scenario.split(",")
     args.deps = args.deployments.split(",")
