@@ -62,6 +62,12 @@ def _role_args(threads: int | None) -> tuple[str, ...]:
     return ("--num-threads", str(threads)) if threads else ()
 
 
+def shared_lease_args() -> tuple[str, ...]:
+    """Worker flags of one fresh CPU lease: as `pdserve up` runs them, workers that share this
+    machine's cores take turns at them (pdserve/engine/cpu_lease.py)."""
+    return ("--cpu-lease", str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "lease"))
+
+
 async def serve_load(url: str, model_dir: Path, args: argparse.Namespace, conc: int) -> dict:
     cfg = BenchConfig(
         base_url=url, model="bench", endpoint="completions", input_len=args.input_len,
@@ -75,10 +81,7 @@ async def bench_pd(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]
     spec = ClusterSpec(model_dir=str(model_dir), served_model_name="bench",
                        worker_args=PERF_ARGS, router_args=())  # fmt: skip
     cluster = Cluster(spec)
-    # As `pdserve up` runs them: both workers share this machine's cores and take turns.
-    lease_args: tuple[str, ...] = ()
-    if args.cpu_lease:
-        lease_args = ("--cpu-lease", str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "lease"))
+    lease_args = shared_lease_args() if args.cpu_lease else ()
     for proc in cluster.prefills:
         proc.extra_args = _role_args(args.prefill_threads) + lease_args
     for proc in cluster.decodes:

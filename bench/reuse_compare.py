@@ -7,9 +7,10 @@
 ``shared_prefix``: bench/serving.py's ``prefix_repetition`` load (``--num-prefixes`` groups of
 a ``--prefix-len``-token prefix plus ``--input-len`` unique tokens, ``--output-len`` out, at
 ``--concurrency``) against each deployment in turn: ``colocated`` (prefix caching on, the
-default), ``colocated-nocache``, ``pd`` (router + prefill + decode; KV bytes sent per request
-from the prefill's ``pdserve_transport_bytes_sent_total``), optionally ``pd-nocache``, and vLLM
-with its prefix caching on (``--vllm-python``). Ratios: TTFT nocache/cache, throughput / vLLM.
+default), ``colocated-nocache``, ``pd`` (router + prefill + decode sharing one CPU lease, as
+``pdserve up`` runs them; KV bytes sent per request from the prefill's
+``pdserve_transport_bytes_sent_total``), optionally ``pd-nocache``, and vLLM with its prefix
+caching on (``--vllm-python``). Ratios: TTFT nocache/cache, throughput / vLLM.
 
 ``long_prompt``: ``--num-streams`` streams decode on one colocated worker; once every one of
 them streams, a ``--long-len``-token prompt arrives. The streams' inter-token gaps that overlap
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import workloads  # noqa: E402
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port, get_json, scrape  # noqa: E402
-from bench.pd_compare import PERF_ARGS, checkpoint  # noqa: E402
+from bench.pd_compare import PERF_ARGS, checkpoint, shared_lease_args  # noqa: E402
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
 from bench.vllm_ref import VllmServer  # noqa: E402
 from pdserve.cli_common import run_async  # noqa: E402
@@ -96,8 +97,10 @@ async def bench_deployment(dep: str, model_dir: Path, args: argparse.Namespace) 
     if dep.startswith("colocated"):
         async with colocated(model_dir, worker_args) as proc:
             return await run_benchmark(prefix_config(proc.url, model_dir, args))
+    # Both workers share this machine's cores: one CPU lease, as `pdserve up` gives them.
+    lease = shared_lease_args()
     spec = ClusterSpec(model_dir=str(model_dir), served_model_name="bench",
-                       worker_args=tuple(worker_args), router_args=())  # fmt: skip
+                       worker_args=(*worker_args, *lease), router_args=())  # fmt: skip
     async with Cluster(spec) as cluster:
         prefill = cluster.prefills[0].url
         before = (await scrape(cluster.session, prefill)).get(BYTES_SENT, 0.0)
