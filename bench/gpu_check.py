@@ -14,7 +14,9 @@ Steps (each a function; a failing step is recorded with its traceback, and the o
    TTFT/TPOT/throughput of both at each concurrency (bench/serving.py);
 4. ``bandwidth``: a large device-to-device copy, the floor's bandwidth;
 5. ``decode_speed``: pdserve decode steps at each batch against weight bytes / bandwidth;
-6. ``hf_generate``: HF transformers ``generate`` with a static cache at the same batches.
+6. ``hf_generate``: HF transformers ``generate`` with a static cache at the same batches;
+7. ``chunked_prefill``: a long prompt whole and in mixed steps beside 8 decode rows (the chunked
+   total against the whole prefill; the longest mixed step against a decode step).
 
 Results go to ``gpu_check.json`` under ``--out`` (default: ``$OUT``, else bench/results/), written
 again after every step, so a run stopped at its time limit still leaves what it measured.
@@ -72,11 +74,13 @@ class Sizes:
     serving_output: int
     copy_bytes: int
     test_timeout_s: float
+    long_prompt: int  # chunked_prefill: the prompt, in chunks of `chunk` beside 8 decode rows
+    chunk: int
     budget_s: float  # no step starts after this many seconds (the device call's limit is 600)
 
 
-FULL = Sizes((1, 8, 64), (1, 16, 64), 128, 20, 32, 128, 128, 2 << 30, 240.0, 420.0)
-QUICK = Sizes((1, 4), (1, 4), 32, 4, 8, 32, 8, 32 << 20, 240.0, 600.0)
+FULL = Sizes((1, 8, 64), (1, 16, 64), 128, 20, 32, 128, 128, 2 << 30, 240.0, 4096, 512, 420.0)
+QUICK = Sizes((1, 4), (1, 4), 32, 4, 8, 32, 8, 32 << 20, 240.0, 256, 64, 600.0)
 
 
 @dataclass
@@ -249,6 +253,13 @@ def step_hf_generate(c: Check) -> dict[str, Any]:
     return result
 
 
+def step_chunked_prefill(c: Check) -> dict[str, Any]:
+    assert c.model_dir is not None
+    s = c.sizes
+    return gpu_speed.chunked_prefill(c.model_dir, c.device, s.long_prompt, s.chunk, 8,
+                                     s.decode_steps)  # fmt: skip
+
+
 STEPS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
     ("checkpoint", step_checkpoint),
     ("device_tests", step_device_tests),
@@ -257,6 +268,7 @@ STEPS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
     ("bandwidth", step_bandwidth),
     ("decode_speed", step_decode_speed),
     ("hf_generate", step_hf_generate),
+    ("chunked_prefill", step_chunked_prefill),
 ]
 
 

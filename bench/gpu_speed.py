@@ -150,3 +150,64 @@ def hf_generate(
         step_s = (t_long - t_short) / (long - short)
         out["batches"][str(batch)] = {"step_ms": step_s * 1e3, "tokens_per_s": batch / step_s}
     return out
+
+
+def chunked_prefill(
+    model_dir: Path, device: str, prompt_len: int, chunk: int, num_rows: int, steps: int
+) -> dict[str, Any]:
+    """A ``prompt_len``-token prompt prefilled whole, then in ``chunk``-token mixed steps beside
+    ``num_rows`` decode rows (what the scheduler runs): its time to the last chunk against the
+    whole prefill, and the mixed steps' times (the decode rows' inter-token gaps meanwhile)
+    against a decode step of the rows alone."""
+    runner = ModelRunner(
+        RunnerConfig(str(model_dir), device=device, max_num_seqs=num_rows + 1,
+                     max_prefill_tokens=max(prompt_len, 512),
+                     max_model_len=prompt_len + steps + 64, gpu_memory_utilization=0.8)
+    )  # fmt: skip
+    out = _chunked_figures(runner, prompt_len, chunk, num_rows, steps)
+    del runner  # its pool holds most of the device: free it before the next step loads a model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _chunked_figures(
+    runner: ModelRunner, prompt_len: int, chunk: int, num_rows: int, steps: int
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    vocab, kv = runner.model_config.vocab_size, runner.kv_config
+    allocator = PageAllocator(kv.num_pages)
+    greedy = SamplingParams(temperature=0)
+    prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
+    pages = allocator.allocate(kv.pages_for(prompt_len))
+    row_len = 32
+    num_steps = steps + 4 + -(-prompt_len // chunk)  # decode, warm-up and mixed steps
+    rows = [
+        Sequence(f"row{i}", torch.randint(3, vocab, (row_len,), generator=gen).tolist(), row_len,
+                 greedy, allocator.allocate(kv.pages_for(row_len + num_steps + 1)))
+        for i in range(num_rows)
+    ]  # fmt: skip
+    _apply(rows, runner.prefill(rows).token_ids)
+
+    def whole() -> None:
+        runner.prefill([Sequence("whole", prompt, prompt_len, greedy, pages)])
+
+    whole()  # warm-up
+    whole_s = statistics.median(_timed_s(whole, runner.device, 3))
+    decode_s = _decode_step_s(runner, rows, steps)
+    mixed_s: list[float] = []
+    for start in range(0, prompt_len, chunk):
+        end = min(start + chunk, prompt_len)
+        view = Sequence("chunked", prompt[:end], end, greedy, pages, start)
+
+        def mixed(view: Sequence = view) -> None:
+            _apply(rows, runner.mixed([view], rows).token_ids[1:])
+
+        mixed_s += _timed_s(mixed, runner.device, 1)
+    return {
+        "prompt_len": prompt_len, "chunk": chunk, "num_rows": num_rows,
+        "whole_prefill_ms": whole_s * 1e3, "chunked_total_ms": sum(mixed_s) * 1e3,
+        "chunked_over_whole": sum(mixed_s) / whole_s, "decode_step_ms": decode_s * 1e3,
+        "mixed_step_max_ms": max(mixed_s) * 1e3,
+        "mixed_max_over_decode": max(mixed_s) / decode_s,
+    }  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("checkpoint", "device_tests", "pd_vs_colocated", "readiness", "bandwidth",
-         "decode_speed", "hf_generate")  # fmt: skip
+         "decode_speed", "hf_generate", "chunked_prefill")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -41,3 +41,7 @@ def test_quick_cpu_rehearsal_passes_every_step_and_writes_the_json(tmp_path: Pat
         assert set(steps[name]["batches"]) == {"1", "4"}
         assert all(b["step_ms"] > 0 for b in steps[name]["batches"].values())
     assert steps["decode_speed"]["floor_ms"] > 0
+    chunked = steps["chunked_prefill"]
+    assert chunked["prompt_len"] == 256 and chunked["chunk"] == 64
+    assert chunked["whole_prefill_ms"] > 0 and chunked["chunked_total_ms"] > 0
+    assert chunked["mixed_step_max_ms"] > 0 and chunked["decode_step_ms"] > 0
