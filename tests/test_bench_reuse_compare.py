@@ -41,6 +41,14 @@ def test_vllm_reference_keeps_prefix_caching_off_unless_asked(tmp_path: Path) ->
     assert "--no-enable-prefix-caching" not in on
 
 
+def test_long_prompt_budgets_are_a_comma_list_of_positive_token_counts() -> None:
+    args = reuse_compare.parse_args(["--max-num-batched-tokens", "64,512"])
+    assert args.max_num_batched_tokens == [64, 512]
+    for bad in ("64,x", "0", ""):
+        with pytest.raises(SystemExit):
+            reuse_compare.parse_args(["--max-num-batched-tokens", bad])
+
+
 def test_vllm_deployment_needs_its_python() -> None:
     with pytest.raises(SystemExit):
         reuse_compare.parse_args(["--deployments", "colocated,vllm"])
