@@ -7,9 +7,10 @@ tree without the nodes. Each worker's set is an LRU bounded in entries (its cach
 
 Choice, for one request:
 
-1. Load first: if the busiest candidate has more than ``balance_abs`` in-flight requests over
-   the idlest *and* more than ``balance_rel`` times as many, the idlest wins (a hot prefix must
-   not pile onto one worker).
+1. Load first: if the busiest candidate has more than ``balance_abs`` requests over the idlest
+   *and* more than ``balance_rel`` times as many, the idlest wins (a hot prefix must not pile
+   onto one worker). A worker's requests: the router's in-flight count to it, or the count the
+   worker reports when larger (other routers' traffic); ties on it go to more free KV pages.
 2. Otherwise the candidate holding the longest prefix of the text wins when that prefix is at
    least ``cache_threshold`` of the text (ties: the less loaded).
 3. Otherwise the least loaded candidate (ties: the one whose tree holds least, the most room).
@@ -78,7 +79,7 @@ class PrefixTrees:
 
 
 class CacheAwarePolicy:
-    """Prefix affinity balanced against the router's own in-flight counts (see module doc)."""
+    """Prefix affinity balanced against the workers' loads (see module doc)."""
 
     name = "cache_aware"
 
@@ -95,9 +96,11 @@ class CacheAwarePolicy:
 
     def _pick(self, candidates: Sequence[Worker], keys: list[int]) -> Worker:
         c = self.config
-        loads = [w.num_in_flight for w in candidates]
+        # Requests per worker: the router's own in-flight count, or the worker's reported
+        # count when larger (another router's traffic shows only there; Worker.load_score).
+        loads = [w.load_score()[0] for w in candidates]
         low, high = min(loads), max(loads)
-        least_loaded = min(candidates, key=lambda w: (w.num_in_flight, self.trees.size(w.url)))
+        least_loaded = min(candidates, key=lambda w: (w.load_score(), self.trees.size(w.url)))
         if not keys or (high - low > c.balance_abs and high > low * c.balance_rel):
             return least_loaded
         matches = [self.trees.matched(w.url, keys) for w in candidates]

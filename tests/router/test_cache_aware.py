@@ -11,7 +11,9 @@ from pdserve.router.cache_aware import (
     routing_text,
 )
 from pdserve.router.policies import make_policy
+from pdserve.router.workers import ServerInfoMsg
 from tests.router.test_policies import workers
+from tests.router.test_workers import INFO
 
 SYSTEM = "You are a helpful assistant. " * 20  # ~580 characters shared by every request
 
@@ -47,6 +49,26 @@ def test_a_hot_prefix_moves_to_an_idle_worker_past_the_load_threshold():
     assert other is not home
     other.num_in_flight = 3  # now both hold the prefix: the less loaded of them
     assert policy.choose(ws, SYSTEM) is other
+
+
+def test_load_other_routers_sent_counts_against_a_prefix_holder():
+    # The holder looks idle to this router (nothing in flight from it), but it reports 9
+    # requests of another router's: past the threshold the idle worker gets the prefix.
+    ws = workers(0, 0)
+    policy = CacheAwarePolicy(CacheAwareConfig(balance_abs=4, balance_rel=1.5))
+    home = policy.choose(ws, SYSTEM)
+    assert policy.choose(ws, SYSTEM) is home
+    home.info = _reporting(num_requests=9, free_pages=100)
+    assert policy.choose(ws, SYSTEM) is not home
+    # With no prefix to follow, equal request counts go to the worker with more free pages.
+    home.info = _reporting(num_requests=0, free_pages=100)
+    other = next(w for w in ws if w is not home)
+    other.info = _reporting(num_requests=0, free_pages=10)
+    assert policy.choose(ws, "unrelated " * 50) is home
+
+
+def _reporting(**load: int) -> ServerInfoMsg:
+    return ServerInfoMsg.from_json({**INFO, "load": load})
 
 
 def test_a_short_shared_part_below_the_cache_threshold_is_routed_by_load():
