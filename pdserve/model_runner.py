@@ -24,19 +24,14 @@ from pdserve.device import (
     is_cpu,
 )
 from pdserve.engine.protocol import TokenLogprob
-from pdserve.kernels.host_copy import HostSample, PendingHostSample
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.linear import auto_fp32_min_rows
-from pdserve.kernels.logits_processors import logits_processing_for
 from pdserve.kernels.prompt_logprobs import (
     PromptLogprobs,
     prompt_logprobs_for,
     wants_prompt_logprobs,
 )
-from pdserve.kernels.sampling import SamplerOutput, sample
-from pdserve.kernels.sampling_tensors import is_plain_greedy, sampling_tensors_for
-from pdserve.kernels.topk import argmax_rows
 from pdserve.kv_sizing import (
     CPU_DEFAULT_KV_CACHE_BYTES,
     DeviceMemory,
@@ -53,6 +48,7 @@ from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_weights, stored_dtype
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import (
     CALIBRATION_CONTEXT,
@@ -404,35 +400,5 @@ class ModelRunner:
     # ----- sampling -----------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> RunnerOutput:
-        processing = logits_processing_for(seqs, self.tokenizer.eos_token_ids, self.device)
-        if processing is not None:  # logit_bias, min_tokens, grammar masks: before any choice
-            with torch.inference_mode():  # the logits are inference tensors: edit them there
-                logits = processing.apply(logits)
-        # One host copy of the step's results (pdserve.kernels.host_copy); on CUDA nothing in
-        # the step reads a device tensor before it, and waiting on it also means the forward
-        # that wrote the step's K/V has run (the copy follows it on the stream).
-        if is_plain_greedy(seqs):
-            # The common case needs no per-row parameters: skip building them.
-            ids = argmax_rows(logits)
-            return RunnerOutput(token_ids=PendingHostSample(SamplerOutput(ids)).wait().token_ids)
-        tensors = sampling_tensors_for(seqs, self.device)
-        with torch.inference_mode():
-            host = PendingHostSample(sample(logits, tensors)).wait()
-        if not tensors.need_logprobs:
-            return RunnerOutput(token_ids=host.token_ids)
-        return RunnerOutput(host.token_ids, _token_logprobs(host, seqs))
-
-
-def _token_logprobs(host: HostSample, seqs: list[Sequence]) -> list[TokenLogprob | None]:
-    assert host.logprobs is not None
-    out: list[TokenLogprob | None] = []
-    for i, s in enumerate(seqs):
-        if not s.sampling.logprobs:
-            out.append(None)
-            continue
-        n = s.sampling.top_logprobs
-        top = ()
-        if host.top_ids is not None and host.top_logprobs is not None:
-            top = tuple(zip(host.top_ids[i][:n], host.top_logprobs[i][:n], strict=True))
-        out.append(TokenLogprob(token_id=host.token_ids[i], logprob=host.logprobs[i], top=top))
-    return out
+        token_ids, logprobs = sample_step(logits, seqs, self.tokenizer.eos_token_ids, self.device)
+        return RunnerOutput(token_ids, logprobs)
