@@ -91,67 +91,30 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention for packed sequences ``q/k/v`` ``(T, heads, D)`` -> ``(T, H, D)``.
 
-    New tokens' K/V must already be written to the caches. A sequence without a cached prefix
-    attends over ``k``/``v`` directly (one causal SDPA, no gather). One with a prefix (a
-    prompt chunk, a prefix-cache hit) is split where the mask is: its queries see every
-    prefix key (no mask) and their own chunk causally, two flash calls whose results merge by
-    their log-sum-exp (:func:`_prefix_then_chunk`) instead of one SDPA over a
-    ``(new, prefix + new)`` mask, which runs at half speed on a CPU. A sliding window that
-    cuts into the sequence, or a device without the CPU flash kernel, takes the masked call.
+    New tokens' K/V must already be written to the caches. A sequence with a cached prefix
+    reads its keys from the pages; one without uses ``k``/``v`` directly (no gather). The loop
+    is over sequences, each a single fused attention call.
+
+    A chunk over a cached prefix runs the same flash kernel as the whole prompt would, under a
+    mask: each query row's result is then bit-identical to its row of a whole-prompt prefill,
+    which is what keeps greedy output identical with the prefix cache and chunking on or off
+    (splitting prefix and chunk into two calls merged by log-sum-exp was ~25% faster per chunk
+    on a CPU but changed the last bits, and greedy continuations with them).
     """
     out = torch.empty_like(q)
     for s in seqs:
         rows = slice(s.q_start, s.q_start + s.num_new)
-        total = s.num_cached + s.num_new
-        is_windowed = sliding_window is not None and total > sliding_window
-        if s.num_cached == 0 and not is_windowed:
-            out[rows] = _sdpa_gqa(q[rows], k[rows], v[rows], None, scale)
-        elif not is_windowed and q.device.type == "cpu":
-            prefix_k = gather_kv(k_cache, s.page_ids, s.num_cached)
-            prefix_v = gather_kv(v_cache, s.page_ids, s.num_cached)
-            out[rows] = _prefix_then_chunk(q[rows], prefix_k, prefix_v, k[rows], v[rows], scale)
+        if s.num_cached == 0:
+            ks, vs = k[rows], v[rows]
         else:
+            total = s.num_cached + s.num_new
             ks = gather_kv(k_cache, s.page_ids, total)
             vs = gather_kv(v_cache, s.page_ids, total)
+        mask = None
+        if s.num_cached or sliding_window is not None:
             mask = causal_mask(s.num_cached, s.num_new, sliding_window, q.device)
-            out[rows] = _sdpa_gqa(q[rows], ks, vs, mask, scale)
+        out[rows] = _sdpa_gqa(q[rows], ks, vs, mask, scale)
     return out
-
-
-def _prefix_then_chunk(
-    q: torch.Tensor,
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """``q`` ``(C, H, D)`` over every prefix key and causally over its chunk's ``k``/``v``.
-
-    Softmax over the union of two key sets is the two partial results weighted by their
-    normalisers: ``o = o1 * sigmoid(lse1 - lse2) + o2 * sigmoid(lse2 - lse1)``. The prefix
-    part lays the ``group`` query heads of a KV head out as extra query rows (no K/V copies);
-    the chunk part repeats its chunk's K/V per query head (the flash kernel has no GQA).
-    """
-    num_new, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    grouped = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
-    grouped = grouped.reshape(1, num_kv_heads, num_new * group, head_dim)
-    o1, lse1 = flash(
-        grouped, prefix_k.transpose(0, 1).unsqueeze(0), prefix_v.transpose(0, 1).unsqueeze(0),
-        0.0, False, scale=scale,
-    )  # fmt: skip
-    # (1, Hkv, C * group, .) -> (C, H, .): back to one row per token, heads in order.
-    o1 = o1.view(num_kv_heads, num_new, group, head_dim).transpose(0, 1).flatten(1, 2)
-    lse1 = lse1.view(num_kv_heads, num_new, group).transpose(0, 1).flatten(1, 2)
-    per_head_k = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    per_head_v = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    o2, lse2 = flash(q.transpose(0, 1).unsqueeze(0), per_head_k, per_head_v, 0.0, True, scale=scale)
-    o2, lse2 = o2[0].transpose(0, 1), lse2[0].transpose(0, 1)  # (C, H, D), (C, H)
-    w1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1)
-    return torch.lerp(o2.float(), o1.float(), w1).to(q.dtype)
 
 
 def decode_attention(

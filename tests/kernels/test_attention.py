@@ -135,8 +135,8 @@ def test_write_layer_kv_places_k_and_v_like_two_writes() -> None:
 
 
 def test_chunks_over_a_cached_prefix_match_dense_with_and_without_a_window() -> None:
-    # Each query of a 7-token chunk after 13 cached tokens: the split (prefix + chunk, merged
-    # by log-sum-exp) without a window, the masked call with one that cuts into the prefix.
+    # Each query of a 7-token chunk after 13 cached tokens, without a window, with one that
+    # cuts into the prefix, and with one longer than the sequence.
     torch.manual_seed(4)
     kc, vc = _caches()
     k, v = torch.randn(20, KV_HEADS, DIM), torch.randn(20, KV_HEADS, DIM)
@@ -148,3 +148,21 @@ def test_chunks_over_a_cached_prefix_match_dense_with_and_without_a_window() -> 
         out = prefill_attention(q, k[13:], v[13:], seqs, kc, vc, DIM**-0.5, window)
         want = _reference(q, k, v, torch.arange(13, 20), window=window)
         torch.testing.assert_close(out, want, msg=f"window {window}")
+
+
+def test_a_chunk_over_a_cached_prefix_is_bit_identical_to_the_whole_prompts_rows() -> None:
+    # What keeps greedy output identical with the prefix cache and chunking on or off: the
+    # rows of the second chunk equal, bit for bit, those rows of a whole-prompt prefill.
+    torch.manual_seed(5)
+    kc, vc = _caches()
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    n, cut = 19, 11
+    q = torch.randn(n, HEADS, DIM).bfloat16()
+    k, v = torch.randn(n, KV_HEADS, DIM).bfloat16(), torch.randn(n, KV_HEADS, DIM).bfloat16()
+    pages = [3, 8, 1, 14, 6]
+    _store(kc, vc, pages, k, v)
+    whole = prefill_attention(q, k, v, [PrefillSeqMeta(0, n, 0, torch.tensor(pages))], kc, vc,
+                              DIM**-0.5)  # fmt: skip
+    chunk = PrefillSeqMeta(0, n - cut, cut, torch.tensor(pages))
+    second = prefill_attention(q[cut:], k[cut:], v[cut:], [chunk], kc, vc, DIM**-0.5)
+    assert torch.equal(second, whole[cut:])
