@@ -4,6 +4,8 @@
    constrained, and every row constrained by a JSON schema (each constrained row's matcher is
    advanced by its sampled token, as the engine does). Reports ms per step and the per-token
    overhead of a constrained row: (all-constrained - none) / B.
+   ``--serial`` also times the constrained cases with each mask filled after the forward on
+   the runner's thread (no background fill), for comparison.
 2. Server level (colocated, HTTP): the TPOT of an unconstrained streaming request alone, and
    next to a constrained neighbour streaming at the same time.
 
@@ -40,10 +42,14 @@ SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItem
 PROMPT = "Write a list of words:"
 
 
-def _runner_steps(runner: ModelRunner, batch: int, steps: int, constrained: int) -> float:
+def _runner_steps(
+    runner: ModelRunner, batch: int, steps: int, constrained: int, background_fill: bool = True
+) -> float:
     """Median seconds per decode step with ``constrained`` of ``batch`` rows under SCHEMA."""
     tok = runner.tokenizer
-    compiler = GrammarCompiler(tok.backend.to_str(), tok.vocab_size, tok.eos_token_ids)
+    compiler = GrammarCompiler(
+        tok.backend.to_str(), tok.vocab_size, tok.eos_token_ids, background_fill=background_fill
+    )
     spec = GrammarSpec.json_schema(SCHEMA)
     prompt = tok.encode(PROMPT)
     pages = runner.kv_config.pages_for(len(prompt) + steps + 2)
@@ -62,6 +68,7 @@ def _runner_steps(runner: ModelRunner, batch: int, steps: int, constrained: int)
             seq.token_ids.append(token)
             if seq.grammar is not None:
                 seq.grammar.accept(token)
+                seq.grammar.prefetch()  # as the engine does: filled during the forward
         t0 = time.perf_counter()
         out = runner.decode(seqs)
         times.append(time.perf_counter() - t0)
@@ -76,13 +83,19 @@ def runner_bench(args: argparse.Namespace) -> dict[str, float]:
     none = _runner_steps(runner, b, steps, 0)
     one = _runner_steps(runner, b, steps, 1)
     full = _runner_steps(runner, b, steps, b)
-    return {
+    out = {
         "batch": b,
         "step_ms_unconstrained": none * 1e3,
         "step_ms_one_constrained": one * 1e3,
         "step_ms_all_constrained": full * 1e3,
         "overhead_ms_per_constrained_token": (full - none) / b * 1e3,
     }
+    if args.serial:  # the same, each mask filled on the runner's thread after the forward
+        out["step_ms_one_constrained_serial"] = _runner_steps(runner, b, steps, 1, False) * 1e3
+        serial_full = _runner_steps(runner, b, steps, b, False)
+        out["step_ms_all_constrained_serial"] = serial_full * 1e3
+        out["overhead_ms_per_constrained_token_serial"] = (serial_full - none) / b * 1e3
+    return out
 
 
 async def _stream_tpot(http: aiohttp.ClientSession, url: str, body: dict) -> float:
@@ -132,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed request")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    parser.add_argument(
+        "--serial", action="store_true", help="also time the runner with serial (inline) fills"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:

@@ -214,6 +214,8 @@ class Engine:
         return req
 
     def enqueue_prefill(self, req: Request) -> None:
+        if req.seq.grammar is not None:
+            req.seq.grammar.prefetch()  # its first mask, filled while it waits and prefills
         self.scheduler.add(req)
         self.arm(req, self.config.deadlines.waiting_s, "timeout:waiting")
         self._wake.set()
@@ -327,6 +329,9 @@ class Engine:
                     req.move(RequestState.RUNNING, "prefilled")
                     self.disarm(req)
                     self.scheduler.add_running(req)
+            if seq.grammar is not None:
+                # The next step's mask, filled while the loop and the next forward run.
+                seq.grammar.prefetch()
             lps = [lp] if lp is not None else None
             if is_replayed:
                 req.out_state.replay(tok, req.resume)
@@ -379,8 +384,10 @@ class Engine:
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
         # The prefill sampled it under the same grammar: this matcher continues from there.
-        if seq.grammar is not None and not self._advance_grammar(req, first_token):
-            return
+        if seq.grammar is not None:
+            if not self._advance_grammar(req, first_token):
+                return
+            seq.grammar.prefetch()
         if is_replayed:
             req.out_state.replay(first_token, req.resume)
         else:

@@ -6,9 +6,10 @@ Each edit is a handful of vectorised ops over the rows that need it:
 
 - ``logit_bias``: ``index_put_`` of every (row, token, bias) triple, accumulated;
 - ``min_tokens``: EOS and stop token ids set to -inf on rows that have not generated enough;
-- grammar: each constrained row's matcher fills one int32 bitmask row (llguidance, in Rust),
-  then the bits are unpacked with shifts into a boolean mask and the disallowed logits are set
-  to -inf; padded vocabulary columns past the tokenizer's are disallowed too.
+- grammar: each constrained row's matcher has one int32 bitmask row (llguidance, in Rust,
+  filled in the background during the forward: pdserve.grammar.filler), stacked; the bits are
+  unpacked with shifts into a boolean mask and the disallowed logits are set to -inf; padded
+  vocabulary columns past the tokenizer's are disallowed too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.grammar.matcher import GrammarMatcher, bitmask_words
+from pdserve.grammar.matcher import GrammarMatcher
 from pdserve.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -58,14 +59,16 @@ def apply_grammar_masks(
 ) -> None:
     """Set to -inf every logit of ``rows`` that its matcher does not allow next."""
     vocab = matchers[0].vocab_size
-    words = bitmask_words(vocab)
-    bitmask = torch.empty((len(rows), words), dtype=torch.int32)
-    for i, matcher in enumerate(matchers):  # one Rust call per constrained row
-        matcher.fill_bitmask(bitmask[i])
+    # Each row was filled on the filler's thread while the forward ran (prefetched after the
+    # previous accept); this waits for the ones still running, or fills a row not prefetched.
+    bitmask = torch.stack([m.bitmask() for m in matchers])
     allowed = unpack_bitmask(_to_device(bitmask, logits.device), vocab)
     width = logits.shape[1]
     if width > vocab:  # the model's padded vocabulary: those ids are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, width - vocab), value=False)
+    if len(rows) == logits.shape[0]:  # every row constrained: one masked_fill_ in place
+        logits.masked_fill_(~allowed[:, :width], _NEG_INF)
+        return
     index = _to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
     # index_copy_ rather than ``logits[index] = ...``: the CPU advanced-index write is ~10x
     # slower than selecting, masking and copying the rows back.
