@@ -77,10 +77,6 @@ class GrammarMatcher:
         return self._is_done
 
     @property
-    def is_accepting(self) -> bool:
-        return self._is_accepting
-
-    @property
     def error(self) -> str | None:
         return self._fill_error or self._error
 
@@ -98,7 +94,6 @@ class GrammarMatcher:
         # Read while the loop owns the state, so that these never race a background fill.
         m = self._llmatcher
         self._is_done = m.is_stopped()
-        self._is_accepting = m.is_accepting()
         self._error = m.get_error() if m.is_error() else None
 
     # ----- runner thread ------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.logits_processors import logits_processing_for, unpack_bitmask
+from pdserve.kernels.logits_processors import bitmask_bias, logits_processing_for, unpack_bitmask
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
 
@@ -44,6 +44,19 @@ def test_unpack_bitmask_reads_bit_v_mod_32_of_word_v_div_32() -> None:
     allowed = unpack_bitmask(bitmask, 40)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2, 31]
     assert allowed[1].nonzero().flatten().tolist() == [32]
+
+
+@pytest.mark.parametrize("vocab,width", [(70, 70), (70, 96), (70, 50)])
+def test_bitmask_bias_is_zero_exactly_at_allowed_ids_below_the_vocabulary(vocab, width) -> None:
+    gen = torch.Generator().manual_seed(vocab + width)
+    bitmask = torch.randint(-(2**31), 2**31, (3, 3), dtype=torch.int32, generator=gen)
+    bias = bitmask_bias(bitmask, vocab, width, torch.float32)
+    assert bias.shape == (3, width)
+    for r in range(3):
+        words = [int(w) & 0xFFFFFFFF for w in bitmask[r]]
+        want = [v < vocab and bool(words[v // 32] >> (v % 32) & 1) for v in range(width)]
+        assert (bias[r] == 0).tolist() == want
+        assert torch.isinf(bias[r][~torch.tensor(want)]).all()
 
 
 def test_logit_bias_adds_per_row() -> None:
