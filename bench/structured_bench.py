@@ -30,7 +30,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
+from pdserve.grammar import GrammarCompiler, GrammarSpec, prefetch_all  # noqa: E402
 from pdserve.model.demo import ensure_demo_model  # noqa: E402
 from pdserve.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
@@ -68,7 +68,8 @@ def _runner_steps(
             seq.token_ids.append(token)
             if seq.grammar is not None:
                 seq.grammar.accept(token)
-                seq.grammar.prefetch()  # as the engine does: filled during the forward
+        # As the engine does: the next masks are filled on the filler thread during the forward.
+        prefetch_all([s.grammar for s in seqs if s.grammar is not None])
         t0 = time.perf_counter()
         out = runner.decode(seqs)
         times.append(time.perf_counter() - t0)

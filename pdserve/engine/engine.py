@@ -32,6 +32,7 @@ from pdserve.engine.runner_thread import RunnerThread
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
 from pdserve.engine.warmup import warm_up
+from pdserve.grammar.matcher import prefetch_all
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
 from pdserve.kernels.prompt_logprobs import PromptLogprobs
@@ -308,6 +309,7 @@ class Engine:
         ``kv_ready`` marker for the hand-off; decode rows pass None."""
         deferred = self._deferred_emits
         none = [None] * len(reqs)
+        constrained: list[Request] = []  # their next masks are filled during the next step
         for req, tok, lp, plp in zip(
             reqs, token_ids, logprobs or none, prompt_logprobs or none, strict=True
         ):
@@ -330,8 +332,7 @@ class Engine:
                     self.disarm(req)
                     self.scheduler.add_running(req)
             if seq.grammar is not None:
-                # The next step's mask, filled while the loop and the next forward run.
-                seq.grammar.prefetch()
+                constrained.append(req)
             lps = [lp] if lp is not None else None
             if is_replayed:
                 req.out_state.replay(tok, req.resume)
@@ -339,6 +340,8 @@ class Engine:
                 self.emit(req, [tok], lps)
             else:
                 deferred.append((req, tok, lps))
+        if constrained:  # one hand-off to the filler thread for the step's rows
+            prefetch_all([r.seq.grammar for r in constrained if not r.is_finished])
 
     def _advance_grammar(self, req: Request, token: int) -> bool:
         """Move the request's matcher past ``token``; a rejected token fails the request (the

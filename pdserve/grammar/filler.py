@@ -1,10 +1,11 @@
 """Bitmask fills off the step's critical path: one worker thread per process.
 
 A constrained stream's next mask depends only on the tokens its matcher has accepted, so the
-engine hands the matcher here as soon as a step's token is accepted (:meth:`GrammarMatcher.
-prefetch`), and the fill runs while the loop schedules the next step and the runner computes
-its forward; the runner only waits for it once the logits are ready. llguidance computes
-masks with the GIL released, so the fill overlaps Python work on the loop and the runner too.
+engine hands a step's matchers here as soon as their tokens are accepted (one hand-off per
+step: :func:`~pdserve.grammar.matcher.prefetch_all`), and the fills run while the loop
+schedules the next step and the runner computes its forward; the runner only waits for them
+once the logits are ready. llguidance computes masks with the GIL released, so the fills
+overlap Python work on the loop and the runner too.
 
 The worker takes every matcher queued since its last round at once: two or more are filled
 by llguidance's own parallel executor (Rust threads) into one scratch block, one by a direct
@@ -32,27 +33,28 @@ class MaskFiller:
 
     def __init__(self, name: str = "pdserve-grammar-fill") -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[GrammarMatcher] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[GrammarMatcher]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._executor: llguidance.LLExecutor | None = None  # made on the first batch of 2+
 
-    def submit(self, matcher: GrammarMatcher) -> None:
-        """Queue ``matcher``'s fill; the matcher's state is the worker's until it is done."""
+    def submit(self, matchers: list[GrammarMatcher]) -> None:
+        """Queue the fills of ``matchers``; each one's state is the worker's until its fill
+        ends (:meth:`GrammarMatcher.end_fill`)."""
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
                     thread = threading.Thread(target=self._work, name=self._name, daemon=True)
                     thread.start()
                     self._thread = thread
-        self._queue.put(matcher)
+        self._queue.put(matchers)
 
     def _work(self) -> None:
         while True:
-            batch = [self._queue.get()]
+            batch = list(self._queue.get())
             while True:  # everything queued meanwhile: one parallel round
                 try:
-                    batch.append(self._queue.get_nowait())
+                    batch += self._queue.get_nowait()
                 except queue.Empty:
                     break
             try:

@@ -51,7 +51,14 @@ class GrammarMatcher:
 
     def prefetch(self) -> None:
         """Start filling the next mask in the background (a no-op when it is known, in flight,
-        not needed, or there is no filler). Called by the state's owner, after an accept."""
+        not needed, or there is no filler). Called by the state's owner, after an accept;
+        :func:`prefetch_all` does it for many with one hand-off."""
+        if self._claim_for_fill():
+            assert self._filler is not None
+            self._filler.submit([self])
+
+    def _claim_for_fill(self) -> bool:
+        """True when a background fill is due: the state is then the filler's."""
         if (
             self._filler is None
             or self._row_is_valid
@@ -59,9 +66,9 @@ class GrammarMatcher:
             or self._is_done
             or self.error is not None
         ):
-            return
+            return False
         self._idle.clear()
-        self._filler.submit(self)
+        return True
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False when the grammar rejects it (or its fill
@@ -140,3 +147,15 @@ class GrammarMatcher:
             self._row = torch.full_like(self._row, -1)
         self._row_is_valid = True
         self._idle.set()  # last: the loop and the runner may read from here on
+
+
+def prefetch_all(matchers: list[GrammarMatcher]) -> None:
+    """:meth:`GrammarMatcher.prefetch` for each, with one hand-off per filler: a step's
+    constrained rows wake the filler once and are filled in one (parallel) round."""
+    by_filler: dict[int, tuple[MaskFiller, list[GrammarMatcher]]] = {}
+    for m in matchers:
+        if m._claim_for_fill():
+            assert m._filler is not None
+            by_filler.setdefault(id(m._filler), (m._filler, []))[1].append(m)
+    for filler, claimed in by_filler.values():
+        filler.submit(claimed)

@@ -39,17 +39,19 @@ async def _constrained(
 
 @pytest.fixture
 def fills(monkeypatch) -> dict[str, list[str]]:
-    """The threads that filled masks, and the matchers submitted to the filler (by seq)."""
-    seen: dict[str, list[str]] = {"threads": [], "submitted": []}
+    """The threads that filled masks, the matchers submitted to the filler, and how many
+    went in each hand-off."""
+    seen: dict[str, list] = {"threads": [], "submitted": [], "hand_offs": []}
     fill_now, submit = GrammarMatcher.fill_now, MaskFiller.submit
 
     def spy_fill(self: GrammarMatcher) -> None:
         seen["threads"].append(threading.current_thread().name)
         fill_now(self)
 
-    def spy_submit(self: MaskFiller, matcher: GrammarMatcher) -> None:
-        seen["submitted"].append(id(matcher))
-        submit(self, matcher)
+    def spy_submit(self: MaskFiller, matchers: list[GrammarMatcher]) -> None:
+        seen["submitted"] += [id(m) for m in matchers]
+        seen["hand_offs"].append(len(matchers))
+        submit(self, matchers)
 
     monkeypatch.setattr(GrammarMatcher, "fill_now", spy_fill)
     monkeypatch.setattr(MaskFiller, "submit", spy_submit)
@@ -112,7 +114,7 @@ async def test_an_unconstrained_batch_never_starts_a_fill(runner: ModelRunner, f
         await asyncio.gather(
             collect(engine, "a", prompt, **free), collect(engine, "b", prompt, **free)
         )
-        assert fills == {"threads": [], "submitted": []}
+        assert fills == {"threads": [], "submitted": [], "hand_offs": []}
         out = await _constrained(engine, runner, "g", prompt, max_tokens=30, temperature=0)
         num_tokens = len(tokens(out))
         # Each of its masks prefetched (the first before its prefill), none filled by the runner.
@@ -195,6 +197,25 @@ async def test_constrained_decode_rows_get_masks_in_mixed_steps(runner: ModelRun
         await asyncio.wait_for(other, 30)
         assert any(mixed), mixed
         assert re.fullmatch(pattern, "".join(o.text for o in outs))
+        assert "pdserve-runner" not in fills["threads"]
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_a_steps_constrained_rows_reach_the_filler_in_one_hand_off(
+    runner: ModelRunner, fills
+) -> None:
+    engine = await started(runner)
+    try:
+        prompt = runner.tokenizer.encode("Hello world")
+        sp = dict(max_tokens=20, temperature=0)
+        outs = await asyncio.gather(
+            *(_constrained(engine, runner, f"g{i}", prompt, "[a-z]{20}", **sp) for i in range(3))
+        )
+        for out in outs:
+            assert re.fullmatch("[a-z]{20}", "".join(o.text for o in out))
+        assert max(fills["hand_offs"]) == 3  # the three rows of a decode step, together
         assert "pdserve-runner" not in fills["threads"]
         await assert_idle(engine)
     finally:

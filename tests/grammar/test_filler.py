@@ -11,7 +11,7 @@ import torch
 
 from pdserve.grammar import GrammarCompiler, GrammarSpec
 from pdserve.grammar.filler import MaskFiller
-from pdserve.grammar.matcher import GrammarMatcher
+from pdserve.grammar.matcher import GrammarMatcher, prefetch_all
 
 SCHEMA = {
     "type": "object",
@@ -145,9 +145,9 @@ def test_prefetch_fills_once_per_state_and_never_after_the_end(compiler, tokeniz
     submitted: list[GrammarMatcher] = []
 
     class CountingFiller(MaskFiller):
-        def submit(self, matcher: GrammarMatcher) -> None:
-            submitted.append(matcher)
-            super().submit(matcher)
+        def submit(self, matchers: list[GrammarMatcher]) -> None:
+            submitted.extend(matchers)
+            super().submit(matchers)
 
     filler = CountingFiller("test-fill")
     m = GrammarMatcher(
@@ -164,3 +164,24 @@ def test_prefetch_fills_once_per_state_and_never_after_the_end(compiler, tokeniz
     assert m.accept(tokenizer.token_to_id("b")) and m.is_done
     m.prefetch()  # complete: no next mask to compute
     assert len(submitted) == 2
+
+
+def test_prefetch_all_hands_the_due_matchers_over_at_once(compiler) -> None:
+    rounds: list[int] = []
+
+    class CountingFiller(MaskFiller):
+        def submit(self, matchers: list[GrammarMatcher]) -> None:
+            rounds.append(len(matchers))
+            super().submit(matchers)
+
+    filler = CountingFiller("test-fill")
+    spec = GrammarSpec("regex", "[ab]{3}")
+    matchers = [
+        GrammarMatcher(compiler.compile(spec).llguidance_matcher, compiler.vocab_size, filler)
+        for _ in range(3)
+    ]
+    matchers[0].bitmask()  # known already: not due
+    prefetch_all(matchers)
+    assert rounds == [2]
+    reference = _serial(compiler, spec).bitmask()
+    assert all(torch.equal(m.bitmask(), reference) for m in matchers)
