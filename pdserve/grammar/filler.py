@@ -15,6 +15,7 @@ call. Each matcher then owns its finished row; a failure is recorded on its own 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from typing import TYPE_CHECKING
@@ -35,18 +36,18 @@ class MaskFiller:
         self._name = name
         self._queue: queue.SimpleQueue[list[GrammarMatcher]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._pid: int | None = None  # the process whose worker thread runs
         self._executor: llguidance.LLExecutor | None = None  # made on the first batch of 2+
 
     def submit(self, matchers: list[GrammarMatcher]) -> None:
         """Queue the fills of ``matchers``; each one's state is the worker's until its fill
         ends (:meth:`GrammarMatcher.end_fill`)."""
-        if self._thread is None:
+        if self._pid != os.getpid():  # first use, or a forked child (no thread, no Rust pool)
             with self._lock:
-                if self._thread is None:
-                    thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-                    thread.start()
-                    self._thread = thread
+                if self._pid != os.getpid():
+                    self._executor = None
+                    threading.Thread(target=self._work, name=self._name, daemon=True).start()
+                    self._pid = os.getpid()
         self._queue.put(matchers)
 
     def _work(self) -> None:
