@@ -7,8 +7,10 @@
    none) / B) and the engine loop's own part per constrained token (accept + hand-off).
    ``--serial`` also times the constrained cases with each mask filled after the forward on
    the runner's thread (no background fill), for comparison.
-2. Server level (colocated, HTTP): the TPOT of an unconstrained streaming request alone, and
-   next to a constrained neighbour streaming at the same time.
+2. Server level (colocated, HTTP): the TPOT of an unconstrained streaming request alone, next
+   to an unconstrained and next to a constrained neighbour streaming at the same time.
+
+Each case is timed ``--rounds`` times, in turn with the others; the figures are medians.
 
 Do not run it on a loaded machine: the figures are timings.
 
@@ -85,22 +87,33 @@ def runner_bench(args: argparse.Namespace) -> dict[str, float]:
     runner = ModelRunner(RunnerConfig(model_dir=model, device=args.device, max_num_seqs=args.batch,
                                       kv_cache_bytes=256 << 20))  # fmt: skip
     b, steps = args.batch, args.steps
-    none, _ = _runner_steps(runner, b, steps, 0)
-    one, _ = _runner_steps(runner, b, steps, 1)
-    full, loop_s = _runner_steps(runner, b, steps, b)
+    cases = {"none": (0, True), "one": (1, True), "all": (b, True)}
+    if args.serial:  # the same, each mask filled on the runner's thread after the forward
+        cases |= {"one_serial": (1, False), "all_serial": (b, False)}
+    # Rounds of every case in turn, medians over rounds: a drift in the machine's load hits
+    # every case alike.
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, (constrained, background) in cases.items():
+            runs[name].append(_runner_steps(runner, b, steps, constrained, background))
+
+    def step(name: str) -> float:
+        return statistics.median(r[0] for r in runs[name])
+
+    none = step("none")
     out = {
         "batch": b,
         "step_ms_unconstrained": none * 1e3,
-        "step_ms_one_constrained": one * 1e3,
-        "step_ms_all_constrained": full * 1e3,
-        "overhead_ms_per_constrained_token": (full - none) / b * 1e3,
-        "loop_ms_per_constrained_token": loop_s * 1e3,  # accept + hand-off, not in the step
+        "step_ms_one_constrained": step("one") * 1e3,
+        "step_ms_all_constrained": step("all") * 1e3,
+        "overhead_ms_per_constrained_token": (step("all") - none) / b * 1e3,
+        # accept + hand-off on the engine loop, outside the step
+        "loop_ms_per_constrained_token": statistics.median(r[1] for r in runs["all"]) * 1e3,
     }
-    if args.serial:  # the same, each mask filled on the runner's thread after the forward
-        out["step_ms_one_constrained_serial"] = _runner_steps(runner, b, steps, 1, False)[0] * 1e3
-        serial_full, _ = _runner_steps(runner, b, steps, b, False)
-        out["step_ms_all_constrained_serial"] = serial_full * 1e3
-        out["overhead_ms_per_constrained_token_serial"] = (serial_full - none) / b * 1e3
+    if args.serial:
+        out["step_ms_one_constrained_serial"] = step("one_serial") * 1e3
+        out["step_ms_all_constrained_serial"] = step("all_serial") * 1e3
+        out["overhead_ms_per_constrained_token_serial"] = (step("all_serial") - none) / b * 1e3
     return out
 
 
@@ -129,17 +142,21 @@ async def server_bench(args: argparse.Namespace) -> dict[str, float]:
     async with Server(config) as server, aiohttp.ClientSession() as http:
         url = server.url
         await _stream_tpot(http, url, {**plain, "max_tokens": 4})  # warm the path
-        alone = await _stream_tpot(http, url, plain)
-        with_neighbour, _ = await asyncio.gather(
-            _stream_tpot(http, url, plain), _stream_tpot(http, url, constrained)
-        )
-        both_plain, _ = await asyncio.gather(
-            _stream_tpot(http, url, plain), _stream_tpot(http, url, plain)
-        )
+        alone, with_neighbour, both_plain = [], [], []
+        for _ in range(args.rounds):  # in turn, medians over rounds (see runner_bench)
+            alone.append(await _stream_tpot(http, url, plain))
+            tpot, _ = await asyncio.gather(
+                _stream_tpot(http, url, plain), _stream_tpot(http, url, constrained)
+            )
+            with_neighbour.append(tpot)
+            tpot, _ = await asyncio.gather(
+                _stream_tpot(http, url, plain), _stream_tpot(http, url, plain)
+            )
+            both_plain.append(tpot)
     return {
-        "tpot_ms_alone": alone * 1e3,
-        "tpot_ms_next_to_unconstrained": both_plain * 1e3,
-        "tpot_ms_next_to_constrained": with_neighbour * 1e3,
+        "tpot_ms_alone": statistics.median(alone) * 1e3,
+        "tpot_ms_next_to_unconstrained": statistics.median(both_plain) * 1e3,
+        "tpot_ms_next_to_constrained": statistics.median(with_neighbour) * 1e3,
     }
 
 
@@ -150,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed request")
+    parser.add_argument("--rounds", type=int, default=3, help="times each case, in turn")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     parser.add_argument(
         "--serial", action="store_true", help="also time the runner with serial (inline) fills"
@@ -157,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
-        args.batch, args.steps, args.tokens = 2, 4, 8
+        args.batch, args.steps, args.tokens, args.rounds = 2, 4, 8, 1
     result = {"runner": runner_bench(args), "server": asyncio.run(server_bench(args))}
     if args.json:
         print(json.dumps(result, indent=2))
