@@ -174,15 +174,15 @@ async def test_constrained_decode_rows_get_masks_in_mixed_steps(runner: ModelRun
     engine = Engine(EngineConfig(scheduler=sched), runner, incarnation="test")
     await engine.start()
     mixed: list[bool] = []
-    step = engine._step
+    schedule = engine.scheduler.schedule
 
-    def spy(seqs):  # runner thread: does a mixed step carry a constrained decode row?
-        decode, prefill = seqs
-        if decode and prefill:
-            mixed.append(any(r.seq.grammar is not None for r in decode))
-        return step(seqs)
+    def spy(**kwargs):  # does a mixed step carry a constrained decode row?
+        batch = schedule(**kwargs)
+        if batch is not None and batch.kind == "mixed":
+            mixed.append(any(r.seq.grammar is not None for r in batch.decode))
+        return batch
 
-    engine._step = spy  # type: ignore[method-assign]
+    engine.scheduler.schedule = spy  # type: ignore[method-assign]
     try:
         pattern = "[a-z]{60}"
         req = GenerateRequest(
