@@ -88,9 +88,13 @@ class GrammarMatcher:
         return self._fill_error or self._error
 
     def _take_back(self) -> bool:
-        if self._fill_error is None and not self._idle.wait(FILL_TIMEOUT_S):
+        if self._fill_error is None and not self._wait_idle():
             self._fill_error = f"bitmask fill took over {FILL_TIMEOUT_S:g} s"
         return self._fill_error is None
+
+    def _wait_idle(self) -> bool:
+        # is_set first: Event.wait takes its condition's lock even when the event is set.
+        return self._idle.is_set() or self._idle.wait(FILL_TIMEOUT_S)
 
     def _advanced(self, ok: bool) -> bool:
         self._row_is_valid = False
@@ -114,7 +118,7 @@ class GrammarMatcher:
         until the next accept): waits for the prefetched fill, or fills now when none was
         started. A matcher in error allows nothing but EOS; a failed fill allows everything
         (the request then fails at its accept, its neighbours sample as usual)."""
-        if not self._idle.wait(FILL_TIMEOUT_S):
+        if not self._wait_idle():
             self._fill_error = f"bitmask fill took over {FILL_TIMEOUT_S:g} s"
             return torch.full_like(self._row, -1)
         if not self._row_is_valid:
