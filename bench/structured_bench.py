@@ -6,7 +6,7 @@
    ms per step, the per-token overhead of a constrained row in the step ((all-constrained -
    none) / B) and the engine loop's own part per constrained token (accept + hand-off).
    ``--serial`` also times the constrained cases with each mask filled after the forward on
-   the runner's thread (no background fill), for comparison.
+   the runner's thread (no background fill), for comparison (the server level too).
 2. Server level (colocated, HTTP): the TPOT of an unconstrained streaming request alone, next
    to an unconstrained and next to a constrained neighbour streaming at the same time.
 
@@ -26,7 +26,9 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import aiohttp
 
@@ -180,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.batch, args.steps, args.tokens, args.rounds = 2, 4, 8, 1
     result = {"runner": runner_bench(args), "server": asyncio.run(server_bench(args))}
+    if args.serial:  # the server again, its grammar compiler's matchers filling inline
+        serial = partial(GrammarCompiler, background_fill=False)
+        with mock.patch("pdserve.api.grammar_service.GrammarCompiler", serial):
+            again = asyncio.run(server_bench(args))
+        result["server"] |= {f"{k}_serial": v for k, v in again.items()}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
