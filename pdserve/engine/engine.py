@@ -32,6 +32,7 @@ from pdserve.engine.runner_thread import RunnerThread
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
 from pdserve.engine.warmup import warm_up
+from pdserve.grammar.matcher import prefetch_all
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
 from pdserve.kernels.prompt_logprobs import PromptLogprobs
@@ -214,6 +215,8 @@ class Engine:
         return req
 
     def enqueue_prefill(self, req: Request) -> None:
+        if req.seq.grammar is not None:
+            req.seq.grammar.prefetch()  # its first mask, filled while it waits and prefills
         self.scheduler.add(req)
         self.arm(req, self.config.deadlines.waiting_s, "timeout:waiting")
         self._wake.set()
@@ -305,6 +308,7 @@ class Engine:
         ``kv_ready`` marker for the hand-off; decode rows pass None."""
         deferred = self._deferred_emits
         none = [None] * len(reqs)
+        constrained: list[Request] = []  # their next masks are filled during the next step
         for req, tok, lp, plp in zip(
             reqs, token_ids, logprobs or none, prompt_logprobs or none, strict=True
         ):
@@ -326,6 +330,8 @@ class Engine:
                     req.move(RequestState.RUNNING, "prefilled")
                     self.disarm(req)
                     self.scheduler.add_running(req)
+            if seq.grammar is not None:
+                constrained.append(req)
             lps = [lp] if lp is not None else None
             if is_replayed:
                 req.out_state.replay(tok, req.resume)
@@ -333,6 +339,8 @@ class Engine:
                 self.emit(req, [tok], lps)
             else:
                 deferred.append((req, tok, lps))
+        if constrained:  # one hand-off to the filler thread for the step's rows
+            prefetch_all([r.seq.grammar for r in constrained if not r.is_finished])
 
     def _advance_grammar(self, req: Request, token: int) -> bool:
         """Move the request's matcher past ``token``; a rejected token fails the request (the
@@ -378,8 +386,10 @@ class Engine:
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
         # The prefill sampled it under the same grammar: this matcher continues from there.
-        if seq.grammar is not None and not self._advance_grammar(req, first_token):
-            return
+        if seq.grammar is not None:
+            if not self._advance_grammar(req, first_token):
+                return
+            seq.grammar.prefetch()
         if is_replayed:
             req.out_state.replay(first_token, req.resume)
         else:

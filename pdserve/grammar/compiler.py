@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from pdserve.grammar.filler import MaskFiller, shared_filler
 from pdserve.grammar.matcher import GrammarMatcher
 from pdserve.grammar.spec import GrammarSpec
 
@@ -83,7 +84,12 @@ def validate_spec(spec: GrammarSpec, limits: GrammarLimits | None = None) -> Non
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer; thread-safe; one per worker process."""
+    """Compiles specs for one tokenizer; thread-safe; one per worker process.
+
+    ``background_fill``: its matchers fill their masks on the process's filler thread
+    (:func:`~pdserve.grammar.filler.shared_filler`) once prefetched; False: on the runner's
+    thread when the step asks (the serial path).
+    """
 
     def __init__(
         self,
@@ -91,9 +97,11 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_ids: frozenset[int],
         limits: GrammarLimits | None = None,
+        background_fill: bool = True,
     ) -> None:
         self.vocab_size = vocab_size
         self.limits = limits or GrammarLimits()
+        self._filler: MaskFiller | None = shared_filler() if background_fill else None
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
         )
@@ -112,7 +120,7 @@ class GrammarCompiler:
                 self._cache[spec] = pristine
                 while len(self._cache) > self.limits.cache_size:
                     self._cache.popitem(last=False)
-        return GrammarMatcher(pristine.deep_copy(), self.vocab_size)
+        return GrammarMatcher(pristine.deep_copy(), self.vocab_size, self._filler)
 
     def _build(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         text = grammar_text(spec)

@@ -6,9 +6,10 @@ Each edit is a handful of vectorised ops over the rows that need it:
 
 - ``logit_bias``: ``index_put_`` of every (row, token, bias) triple, accumulated;
 - ``min_tokens``: EOS and stop token ids set to -inf on rows that have not generated enough;
-- grammar: each constrained row's matcher fills one int32 bitmask row (llguidance, in Rust),
-  then the bits are unpacked with shifts into a boolean mask and the disallowed logits are set
-  to -inf; padded vocabulary columns past the tokenizer's are disallowed too.
+- grammar: each constrained row's matcher has one int32 bitmask row (llguidance, in Rust,
+  filled in the background during the forward: pdserve.grammar.filler), stacked; the bytes
+  are looked up in a 256 x 8 table into a 0 / -inf bias that is added to those rows; padded
+  vocabulary columns past the tokenizer's are disallowed too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.grammar.matcher import GrammarMatcher, bitmask_words
+from pdserve.grammar.matcher import GrammarMatcher
 from pdserve.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -57,27 +58,45 @@ def apply_grammar_masks(
     logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]
 ) -> None:
     """Set to -inf every logit of ``rows`` that its matcher does not allow next."""
-    vocab = matchers[0].vocab_size
-    words = bitmask_words(vocab)
-    bitmask = torch.empty((len(rows), words), dtype=torch.int32)
-    for i, matcher in enumerate(matchers):  # one Rust call per constrained row
-        matcher.fill_bitmask(bitmask[i])
-    allowed = unpack_bitmask(_to_device(bitmask, logits.device), vocab)
-    width = logits.shape[1]
-    if width > vocab:  # the model's padded vocabulary: those ids are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, width - vocab), value=False)
-    index = _to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
-    # index_copy_ rather than ``logits[index] = ...``: the CPU advanced-index write is ~10x
-    # slower than selecting, masking and copying the rows back.
-    masked = logits.index_select(0, index).masked_fill_(~allowed[:, :width], _NEG_INF)
-    logits.index_copy_(0, index, masked)
+    # Each row was filled on the filler's thread while the forward ran (prefetched after the
+    # previous accept); this waits for the ones still running, or fills a row not prefetched.
+    bitmask = _to_device(torch.stack([m.bitmask() for m in matchers]), logits.device)
+    bias = bitmask_bias(bitmask, matchers[0].vocab_size, logits.shape[1], logits.dtype)
+    # Adding 0 / -inf rather than masked_fill_: branch-free, ~2x faster on CPU per row.
+    if len(rows) == logits.shape[0]:  # every row constrained
+        logits.add_(bias)
+    else:
+        logits.index_add_(0, _to_device(torch.tensor(rows, dtype=torch.int64), bias.device), bias)
+
+
+# (256, 8) per device and dtype: row ``b`` is byte ``b``'s bits, low bit first, as 0 / -inf.
+_BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def bitmask_bias(
+    bitmask: torch.Tensor, vocab_size: int, width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``(R, W)`` int32 bitmask -> ``(R, width)`` additive bias: 0 where bit ``v % 32`` of word
+    ``v // 32`` allows token ``v``, -inf elsewhere and at every id from ``vocab_size`` on (the
+    model's padded vocabulary). One table lookup per byte of the mask."""
+    key = (bitmask.device, dtype)
+    table = _BYTE_BIAS.get(key)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = torch.where(bits.bool(), 0.0, _NEG_INF).to(bitmask.device, dtype)
+        _BYTE_BIAS[key] = table
+    # Little-endian words: byte k of word w holds tokens 32w + 8k ... 32w + 8k + 7.
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()
+    bias = torch.nn.functional.embedding(as_bytes, table).view(bitmask.shape[0], -1)
+    bias = bias[:, : min(vocab_size, width)]
+    if width > bias.shape[1]:
+        bias = torch.nn.functional.pad(bias, (0, width - bias.shape[1]), value=_NEG_INF)
+    return bias
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``(R, W)`` int32 bitmask -> ``(R, vocab_size)`` bool (bit ``v % 32`` of word ``v // 32``)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(2) >> shifts) & 1  # arithmetic shift: the & 1 keeps one bit
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    return bitmask_bias(bitmask, vocab_size, vocab_size, torch.float32) == 0
 
 
 def needs_processing(seq: Sequence) -> bool:

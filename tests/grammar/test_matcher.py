@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-
 from pdserve.grammar import GrammarSpec
 from pdserve.grammar.matcher import bitmask_words
 from pdserve.kernels.logits_processors import unpack_bitmask
 
 
 def _allowed(matcher, vocab: int) -> set[int]:
-    row = torch.zeros(bitmask_words(vocab), dtype=torch.int32)
-    matcher.fill_bitmask(row)
+    row = matcher.bitmask()
+    assert row.shape == (bitmask_words(vocab),)
     return set(unpack_bitmask(row.unsqueeze(0), vocab)[0].nonzero().flatten().tolist())
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.logits_processors import logits_processing_for, unpack_bitmask
+from pdserve.kernels.logits_processors import bitmask_bias, logits_processing_for, unpack_bitmask
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
 
@@ -25,12 +25,13 @@ class FixedMatcher:
     def __init__(self, allowed: set[int], vocab_size: int) -> None:
         self.allowed, self.vocab_size = allowed, vocab_size
 
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        row.zero_()
+    def bitmask(self) -> torch.Tensor:
+        row = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
         for t in self.allowed:
             word, bit = divmod(t, 32)
             value = int(row[word]) | (1 << bit)
             row[word] = value - (1 << 32) if value >= 1 << 31 else value
+        return row
 
 
 def test_nothing_to_do_means_no_processing_at_all() -> None:
@@ -43,6 +44,19 @@ def test_unpack_bitmask_reads_bit_v_mod_32_of_word_v_div_32() -> None:
     allowed = unpack_bitmask(bitmask, 40)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2, 31]
     assert allowed[1].nonzero().flatten().tolist() == [32]
+
+
+@pytest.mark.parametrize("vocab,width", [(70, 70), (70, 96), (70, 50)])
+def test_bitmask_bias_is_zero_exactly_at_allowed_ids_below_the_vocabulary(vocab, width) -> None:
+    gen = torch.Generator().manual_seed(vocab + width)
+    bitmask = torch.randint(-(2**31), 2**31, (3, 3), dtype=torch.int32, generator=gen)
+    bias = bitmask_bias(bitmask, vocab, width, torch.float32)
+    assert bias.shape == (3, width)
+    for r in range(3):
+        words = [int(w) & 0xFFFFFFFF for w in bitmask[r]]
+        want = [v < vocab and bool(words[v // 32] >> (v % 32) & 1) for v in range(width)]
+        assert (bias[r] == 0).tolist() == want
+        assert torch.isinf(bias[r][~torch.tensor(want)]).all()
 
 
 def test_logit_bias_adds_per_row() -> None:
@@ -76,3 +90,15 @@ def test_grammar_rows_keep_only_allowed_tokens_and_no_padded_ids(device: torch.d
     assert torch.isinf(out[0]).nonzero().flatten().tolist() == [7]
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 33, 39]
     assert out[1, 33] == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_every_row_constrained_masks_each_row_by_its_own_matcher(device: torch.device) -> None:
+    vocab = 40
+    seqs = [_seq(), _seq()]
+    seqs[0].grammar = FixedMatcher({1, 2}, vocab)  # type: ignore[assignment]
+    seqs[1].grammar = FixedMatcher({35}, vocab)  # type: ignore[assignment]
+    logits = torch.zeros(2, vocab, device=device)
+    out = logits_processing_for(seqs, EOS, device).apply(logits).cpu()
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1, 2]
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [35]
