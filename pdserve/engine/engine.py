@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
@@ -29,14 +29,12 @@ from pdserve.engine.protocol import (
 )
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner_thread import RunnerThread
-from pdserve.engine.scheduler import Batch, Scheduler
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineObserver
+from pdserve.engine.step_output import StepOutputs
 from pdserve.engine.warmup import warm_up
-from pdserve.grammar.matcher import prefetch_all
 from pdserve.kernels.kv_cache import PageAllocator
-from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
-from pdserve.kernels.prompt_logprobs import PromptLogprobs
-from pdserve.model_runner import RunnerOutput
+from pdserve.kernels.kv_ready import ALWAYS_READY
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import should_calibrate
 
@@ -46,20 +44,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Pages freed during a step wait for the step's KV writes to finish on the device; a marker
-# still incomplete after this long means a hung device: logged, and the pages stay held.
 
-
-class _StepOutput(NamedTuple):
-    """A step's results, split by row kind; ``kv_ready`` marks its one forward's KV writes."""
-
-    decode: RunnerOutput | None
-    prefill: RunnerOutput | None
-    kv_ready: KVReady
-
-
-class Engine:
-    """Implements :class:`~pdserve.engine.protocol.EngineClient`."""
+class Engine(StepOutputs):
+    """Implements :class:`~pdserve.engine.protocol.EngineClient`; its step results are
+    committed by :class:`~pdserve.engine.step_output.StepOutputs`."""
 
     def __init__(
         self,
@@ -253,114 +241,6 @@ class Engine:
             finally:
                 self._frees.end_step(kv_ready)
             self._apply(batch, out.decode, out.prefill)
-
-    def _step(self, seqs: tuple[list[Request], list[Sequence]]) -> _StepOutput:
-        """Runner thread: one forward for the step. A mixed step's decode rows ride in the
-        prompt chunks' forward (:meth:`ModelRunner.mixed`): the weights are read once for both."""
-        decode, prefill = seqs
-        if not prefill:
-            out = self.runner.decode([r.seq for r in decode])
-            return _StepOutput(out, None, out.kv_ready)
-        if not decode:
-            out = self.runner.prefill(prefill)
-            return _StepOutput(None, out, out.kv_ready)
-        out = self.runner.mixed(prefill, [r.seq for r in decode])
-        n, lps, plps = len(prefill), out.logprobs, out.prompt_logprobs
-        return _StepOutput(
-            RunnerOutput(out.token_ids[n:], lps[n:] if lps else None),
-            RunnerOutput(out.token_ids[:n], lps[:n] if lps else None,
-                         prompt_logprobs=plps[:n] if plps else None),
-            out.kv_ready,
-        )  # fmt: skip
-
-    def _apply(self, batch: Batch, dec: RunnerOutput | None, pre: RunnerOutput | None) -> None:
-        """Commit a step's tokens. Requests that end with this token (stop token, length) are
-        finished now so the next step leaves them out; the others' deltas are deferred to
-        :meth:`_emit_deferred`, which runs once the next step is submitted. A prefill row that
-        was not its prompt's last chunk only advances its cached count: its sampled token is
-        discarded and never reaches the grammar or the client."""
-        if dec is not None:
-            self._apply_rows(batch.decode, dec.token_ids, dec.logprobs, None, None)
-        if pre is None:
-            return
-        done: list[Request] = []
-        keep: list[int] = []
-        for i, (req, end) in enumerate(zip(batch.prefill, batch.prefill_ends, strict=True)):
-            if not req.is_finished and self.scheduler.prefilled(req, end):
-                done.append(req)
-                keep.append(i)
-        if done:
-            lps, plps = pre.logprobs, pre.prompt_logprobs
-            self._apply_rows(
-                done, [pre.token_ids[i] for i in keep], [lps[i] for i in keep] if lps else None,
-                [plps[i] for i in keep] if plps else None, pre.kv_ready,
-            )  # fmt: skip
-
-    def _apply_rows(
-        self,
-        reqs: list[Request],
-        token_ids: list[int],
-        logprobs: list[TokenLogprob | None] | None,
-        prompt_logprobs: list[PromptLogprobs | None] | None,
-        kv_ready: KVReady | None,
-    ) -> None:
-        """Commit one token per request: prefill rows (their last chunk) carry the step's
-        ``kv_ready`` marker for the hand-off; decode rows pass None."""
-        deferred = self._deferred_emits
-        none = [None] * len(reqs)
-        constrained: list[Request] = []  # their next masks are filled during the next step
-        for req, tok, lp, plp in zip(
-            reqs, token_ids, logprobs or none, prompt_logprobs or none, strict=True
-        ):
-            if req.is_finished:
-                continue  # aborted, failed or stopped (stop string) while the step ran
-            if plp is not None:
-                req.prompt_logprobs = plp  # goes out with the first delta
-            seq = req.seq
-            seq.num_cached_tokens = seq.num_tokens
-            is_replayed = bool(req.replay)
-            tok = req.replay.popleft() if is_replayed else tok
-            seq.token_ids.append(tok)
-            if seq.grammar is not None and not self._advance_grammar(req, tok):
-                continue
-            if kv_ready is not None:  # a prefill row
-                if self.handoff is not None and self.handoff.on_prefilled(req, tok, lp, kv_ready):
-                    continue
-                if req.state is RequestState.WAITING:
-                    req.move(RequestState.RUNNING, "prefilled")
-                    self.disarm(req)
-                    self.scheduler.add_running(req)
-            if seq.grammar is not None:
-                constrained.append(req)
-            lps = [lp] if lp is not None else None
-            if is_replayed:
-                req.out_state.replay(tok, req.resume)
-            elif req.out_state.is_final(tok):
-                self.emit(req, [tok], lps)
-            else:
-                deferred.append((req, tok, lps))
-        if constrained:  # one hand-off to the filler thread for the step's rows
-            prefetch_all([r.seq.grammar for r in constrained if not r.is_finished])
-
-    def _advance_grammar(self, req: Request, token: int) -> bool:
-        """Move the request's matcher past ``token``; a rejected token fails the request (the
-        mask allowed it, so the matcher is in error: out of its parser limits)."""
-        grammar = req.seq.grammar
-        assert grammar is not None
-        if grammar.accept(token):
-            return True
-        reason = grammar.error or f"token {token} rejected"
-        logger.info("req=%s grammar failed: %s", req.request_id, reason)
-        self._fail(req, EngineError(f"structured output failed: {reason}", 500, "internal_error"))
-        return False
-
-    def _emit_deferred(self) -> None:
-        if not self._deferred_emits:
-            return
-        items, self._deferred_emits = self._deferred_emits, []
-        for req, tok, lps in items:
-            if not req.is_finished:  # an abort or deadline may have ended it since
-                self.emit(req, [tok], lps)
 
     # ---- outputs and endings ---------------------------------------------------------------
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
