@@ -147,22 +147,22 @@ async def server_bench(args: argparse.Namespace) -> dict[str, float]:
         # schema's compile (once, then cached) are not what the figures measure.
         await _stream_tpot(http, url, {**plain, "max_tokens": 4})
         await _stream_tpot(http, url, {**constrained, "max_tokens": 4})
-        alone, with_neighbour, both_plain = [], [], []
-        for _ in range(args.rounds):  # in turn, medians over rounds (see runner_bench)
-            alone.append(await _stream_tpot(http, url, plain))
-            tpot, _ = await asyncio.gather(
-                _stream_tpot(http, url, plain), _stream_tpot(http, url, constrained)
-            )
-            with_neighbour.append(tpot)
-            tpot, _ = await asyncio.gather(
-                _stream_tpot(http, url, plain), _stream_tpot(http, url, plain)
-            )
-            both_plain.append(tpot)
-    return {
-        "tpot_ms_alone": statistics.median(alone) * 1e3,
-        "tpot_ms_next_to_unconstrained": statistics.median(both_plain) * 1e3,
-        "tpot_ms_next_to_constrained": statistics.median(with_neighbour) * 1e3,
-    }
+        cases: dict[str, dict | None] = {
+            "tpot_ms_alone": None,
+            "tpot_ms_next_to_unconstrained": plain,
+            "tpot_ms_next_to_constrained": constrained,
+        }
+        tpots: dict[str, list[float]] = {name: [] for name in cases}
+        names = list(cases)
+        for r in range(args.rounds):  # in turn, medians over rounds (see runner_bench)
+            # Each round starts with another case: no case always follows the same one.
+            for name in names[r % 3 :] + names[: r % 3]:
+                neighbour = cases[name]
+                streams = [_stream_tpot(http, url, plain)]
+                if neighbour is not None:
+                    streams.append(_stream_tpot(http, url, neighbour))
+                tpots[name].append((await asyncio.gather(*streams))[0])
+    return {name: statistics.median(values) * 1e3 for name, values in tpots.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
