@@ -287,13 +287,10 @@ class WorkerManager:
         return [w for w in self._workers.values() if w.role == role and w.is_available()]
 
     def has_complete_path(self) -> bool:
-        """A prefill+decode pair or a colocated worker can take a request now, or a decode
-        alone unless ``enforce_disagg`` (it prefills the request itself: the proxy's fallback)."""
+        """A prefill+decode pair or a colocated worker can take a request now."""
         if self.available("colocated"):
             return True
-        if not self.available("decode"):
-            return False
-        return not self._config.enforce_disagg or bool(self.available("prefill"))
+        return bool(self.available("prefill")) and bool(self.available("decode"))
 
 
 @dataclass(frozen=True, slots=True)

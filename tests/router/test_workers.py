@@ -91,20 +91,6 @@ def test_availability_needs_health_and_a_closed_breaker():
     assert manager.has_complete_path()
 
 
-@pytest.mark.parametrize("enforce_disagg", [False, True])
-def test_a_decode_alone_is_a_path_unless_disaggregation_is_enforced(enforce_disagg: bool):
-    # The proxy sends a request to a decode that prefills it itself when no prefill is healthy,
-    # so the router is ready with a decode alone, unless --enforce-disagg turns that off.
-    manager = WorkerManager(RouterConfig(enforce_disagg=enforce_disagg))
-    decode = manager.add("http://127.0.0.1:9002", "decode")
-    decode_info = ServerInfoMsg.from_json({**INFO, "role": "decode", "bootstrap_port": None})
-    apply_probe(decode, ProbeResult(True, decode_info, None), 1.0)
-    assert manager.has_complete_path() is not enforce_disagg
-    prefill = manager.add("http://127.0.0.1:9001", "prefill")
-    apply_probe(prefill, ProbeResult(True, ServerInfoMsg.from_json(INFO), None), 1.0)
-    assert manager.has_complete_path()
-
-
 def test_probe_with_new_incarnation_resets_breaker_and_takes_new_bootstrap_port():
     manager = WorkerManager(RouterConfig(breaker_failures=1))
     worker = manager.add("http://127.0.0.1:9001", "prefill")
