@@ -143,7 +143,8 @@ def bench_transformers(model_dir: Path, args: argparse.Namespace) -> dict[int, d
     return out
 
 
-def _metric(summary: dict, *path: str) -> float | None:
+def summary_metric(summary: dict | None, *path: str) -> float | None:
+    """The float at ``path`` in a benchmark summary, or None where any key is missing."""
     value: Any = summary
     for key in path:
         if not isinstance(value, dict) or value.get(key) is None:
@@ -158,17 +159,17 @@ def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> l
     print(f"{'deployment':<14}{'conc':>5}{'tok/s':>10}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
           f"{'x colocated':>13}{'x transformers':>16}{'x vLLM':>8}{'vLLM anchor':>13}")  # fmt: skip
     for c in conc:
-        base = _metric(results.get("colocated", {}).get(c, {}), "output_throughput")
-        hf = _metric(results.get("transformers", {}).get(c, {}), "output_throughput")
-        ref = _metric(results.get("vllm", {}).get(c, {}), "output_throughput")
+        base = summary_metric(results.get("colocated", {}).get(c, {}), "output_throughput")
+        hf = summary_metric(results.get("transformers", {}).get(c, {}), "output_throughput")
+        ref = summary_metric(results.get("vllm", {}).get(c, {}), "output_throughput")
         for dep in ("pd", "colocated", "vllm", "transformers"):
             if dep not in results:
                 continue
             s = results[dep][c]
-            tps = _metric(s, "output_throughput") or 0.0
+            tps = summary_metric(s, "output_throughput") or 0.0
             row = {"config": name, "deployment": dep, "concurrency": c, "tok_s": tps,
-                   "ttft_p50_ms": _metric(s, "ttft_ms", "p50"),
-                   "tpot_p50_ms": _metric(s, "tpot_ms", "p50"),
+                   "ttft_p50_ms": summary_metric(s, "ttft_ms", "p50"),
+                   "tpot_p50_ms": summary_metric(s, "tpot_ms", "p50"),
                    "x_colocated": tps / base if base else None,
                    "x_transformers": tps / hf if hf else None,
                    "x_vllm": tps / ref if ref else None,

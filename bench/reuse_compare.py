@@ -43,7 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import workloads  # noqa: E402
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port, get_json, scrape  # noqa: E402
-from bench.pd_compare import PERF_ARGS, checkpoint, shared_lease_args  # noqa: E402
+from bench.pd_compare import (  # noqa: E402
+    PERF_ARGS,
+    checkpoint,
+    shared_lease_args,
+    summary_metric,
+)
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
 from bench.vllm_ref import VllmServer  # noqa: E402
 from pdserve.cli_common import run_async  # noqa: E402
@@ -112,30 +117,22 @@ async def bench_deployment(dep: str, model_dir: Path, args: argparse.Namespace) 
     return summary
 
 
-def _get(s: dict[str, Any] | None, *path: str) -> float | None:
-    value: Any = s
-    for key in path:
-        if not isinstance(value, dict) or value.get(key) is None:
-            return None
-        value = value[key]
-    return float(value)
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
 def report_shared_prefix(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     rows = []
-    ref = _get(results.get("vllm"), "output_throughput")
+    ref = summary_metric(results.get("vllm"), "output_throughput")
     print(f"\n== shared_prefix ==\n{'deployment':<19}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'TPOT p50':>10}{'tok/s':>9}{'hit rate':>10}{'KV B/req':>12}{'x vLLM':>8}")  # fmt: skip
     for dep, s in results.items():
-        row = {"deployment": dep, "ttft_p50_ms": _get(s, "ttft_ms", "p50"),
-               "ttft_p99_ms": _get(s, "ttft_ms", "p99"), "tpot_p50_ms": _get(s, "tpot_ms", "p50"),
-               "tok_s": _get(s, "output_throughput"),
-               "prefix_cache_hit_rate": _get(s, "prefix_cache_hit_rate"),
-               "kv_bytes_sent_per_request": _get(s, "kv_bytes_sent_per_request"),
+        row = {"deployment": dep, "ttft_p50_ms": summary_metric(s, "ttft_ms", "p50"),
+               "ttft_p99_ms": summary_metric(s, "ttft_ms", "p99"),
+               "tpot_p50_ms": summary_metric(s, "tpot_ms", "p50"),
+               "tok_s": summary_metric(s, "output_throughput"),
+               "prefix_cache_hit_rate": summary_metric(s, "prefix_cache_hit_rate"),
+               "kv_bytes_sent_per_request": summary_metric(s, "kv_bytes_sent_per_request"),
                "errors": s["num_errors"]}  # fmt: skip
         row["x_vllm"] = _ratio(row["tok_s"], ref)
         rows.append(row)

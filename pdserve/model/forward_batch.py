@@ -19,6 +19,7 @@ replays device work, so every input must be in the buffer it reads.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -130,17 +131,22 @@ def decode_batch(
     return decode_batch_views(data, len(seqs), width, min(lens), max(lens))
 
 
+def _extend_shape(seqs: list[Sequence], page_size: int) -> tuple[list[int], list[int], list[int]]:
+    """Per sequence of an extend batch: pages covering it, uncached tokens, first packed row."""
+    num_pages = [-(-s.num_tokens // page_size) for s in seqs]
+    num_new = [s.num_tokens - s.num_cached_tokens for s in seqs]
+    starts = list(itertools.accumulate(num_new[:-1], initial=0))
+    return num_pages, num_new, starts
+
+
 def extend_values(seqs: list[Sequence], page_size: int, scratch_page: int) -> list[int]:
     """The extend layout's host values for ``seqs``:
     ``[new token ids (T) | q_starts (B) | num_new (B) | num_cached (B) | table (B*W)]``."""
-    num_pages = [-(-s.num_tokens // page_size) for s in seqs]
+    num_pages, num_new, starts = _extend_shape(seqs, page_size)
     width = max(num_pages)
     new_ids: list[int] = []
-    starts: list[int] = []
     for s in seqs:
-        starts.append(len(new_ids))
         new_ids.extend(s.token_ids[s.num_cached_tokens :])
-    num_new = [s.num_tokens - s.num_cached_tokens for s in seqs]
     flat = new_ids + starts + num_new + [s.num_cached_tokens for s in seqs]
     for s, n in zip(seqs, num_pages, strict=True):
         flat += s.page_ids[:n]
@@ -154,8 +160,7 @@ def extend_batch_views(
     """An extend :class:`ForwardBatch` over ``data`` (the extend layout of ``seqs``), and the
     packed rows of each sequence's last token."""
     num_seqs = len(seqs)
-    num_pages = [-(-s.num_tokens // page_size) for s in seqs]
-    num_new = [s.num_tokens - s.num_cached_tokens for s in seqs]
+    num_pages, num_new, starts = _extend_shape(seqs, page_size)
     num_tokens = sum(num_new)
     input_ids = data[:num_tokens]
     q_starts, new_t, cached_t = data[num_tokens : num_tokens + 3 * num_seqs].view(3, num_seqs)
@@ -165,9 +170,6 @@ def extend_batch_views(
         torch.arange(num_seqs, device=data.device), new_t, output_size=num_tokens
     )
     positions = torch.arange(num_tokens, device=data.device) - (q_starts - cached_t)[row_seq]
-    starts = [0]
-    for n in num_new[:-1]:
-        starts.append(starts[-1] + n)
     metas = [
         PrefillSeqMeta(starts[i], num_new[i], s.num_cached_tokens, table[i, : num_pages[i]])
         for i, s in enumerate(seqs)
