@@ -10,8 +10,9 @@ only load it. Where it cannot be built (no compiler) or the CPU has no AVX2, :fu
 returns None and every caller falls back to torch.
 
 What the module holds: the bf16-weight matmul (:mod:`pdserve.kernels.cpu_gemm`), paged decode
-attention (:mod:`pdserve.kernels.paged_decode`) and fused RMSNorm
-(:mod:`pdserve.kernels.rmsnorm`).
+attention (:mod:`pdserve.kernels.paged_decode`), fused RMSNorm (:mod:`pdserve.kernels.rmsnorm`)
+and grammar masks on logits
+(:mod:`pdserve.kernels.logits_processors`).
 """
 
 from __future__ import annotations

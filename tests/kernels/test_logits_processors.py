@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kernels import cpu_ext, logits_processors
 from pdserve.kernels.logits_processors import bitmask_bias, logits_processing_for, unpack_bitmask
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
@@ -102,3 +103,29 @@ def test_every_row_constrained_masks_each_row_by_its_own_matcher(device: torch.d
     out = logits_processing_for(seqs, EOS, device).apply(logits).cpu()
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1, 2]
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [35]
+
+
+def _random_bitmask_rows(rows: int, words: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    masks = torch.randint(-(2**31), 2**31, (rows, words), dtype=torch.int32, generator=gen)
+    masks[0, 0] = -1  # a word allowing all 32 (the kernel's skip) and one allowing none
+    masks[-1, -1] = 0
+    return list(masks)
+
+
+@pytest.mark.skipif(cpu_ext.load() is None, reason="kernel needs AVX2 and a C++ compiler")
+@pytest.mark.parametrize("vocab,width", [(70, 70), (70, 96), (70, 50), (32000, 32064), (13, 13)])
+def test_the_cpu_kernel_masks_exactly_what_the_torch_bias_masks(vocab: int, width: int) -> None:
+    masks = _random_bitmask_rows(3, (vocab + 31) // 32, vocab + width)
+    rows = [3, 0, 2]  # not in order, one row left alone
+    logits = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
+    expected = logits.clone()
+    expected[rows] += bitmask_bias(torch.stack(masks), vocab, width, torch.float32)
+    cpu_ext.load().apply_token_bitmask_(logits, masks, rows, vocab)
+    assert torch.equal(logits, expected)
+
+
+def test_grammar_masks_without_the_cpu_kernel_use_the_torch_bias(monkeypatch) -> None:
+    monkeypatch.setattr(logits_processors, "_bitmask_kernel_for", lambda logits: None)
+    test_grammar_rows_keep_only_allowed_tokens_and_no_padded_ids(CPU)
+    test_every_row_constrained_masks_each_row_by_its_own_matcher(CPU)

@@ -16,4 +16,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &pdserve::silu_mul, no_gil);
   m.def("rms_norm", &pdserve::rms_norm, no_gil);
   m.def("add_rms_norm_", &pdserve::add_rms_norm_, no_gil);
+  m.def("apply_token_bitmask_", &pdserve::apply_token_bitmask_, no_gil);
 }

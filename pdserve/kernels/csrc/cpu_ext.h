@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace pdserve {
 
@@ -114,5 +115,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& residual, const at::Tensor& x,
                          const at::Tensor& weight, double eps);
+
+// token_bitmask.cpp: -inf at every token of ``rows`` that its int32 bitmask row disallows.
+void apply_token_bitmask_(const at::Tensor& logits, const std::vector<at::Tensor>& bitmasks,
+                          const std::vector<int64_t>& rows, int64_t vocab_size);
 
 }  // namespace pdserve
