@@ -120,8 +120,9 @@ def _decode_step_s(runner: ModelRunner, seqs: list[Sequence], steps: int) -> flo
 def hf_generate(
     model_dir: Path, device: str, batches: list[int], context: int, steps: int
 ) -> dict[str, Any]:
-    """HF transformers ``generate`` (greedy, static cache): time per decode step per batch,
-    from two generation lengths (their difference cancels the prefill)."""
+    """HF transformers ``generate`` (greedy, static cache): the median gap between the tokens
+    it hands its streamer, per batch size (the first token, after the prefill, starts the
+    clock)."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the baseline only
 
     dev = torch.device(device)
@@ -129,27 +130,49 @@ def hf_generate(
     model.eval()
     vocab = model.config.vocab_size
     out: dict[str, Any] = {"batches": {}}
-    short, long = 2, 2 + steps
     for batch in batches:
         ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(0))
         ids = ids.to(dev)
         kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None,
                   cache_implementation="static")  # fmt: skip
 
-        def run(n: int, ids: torch.Tensor = ids, kw: dict = kw) -> None:
+        def run(n: int, clock: _TokenClock | None = None, ids=ids, kw=kw) -> None:
             with torch.inference_mode():
-                model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, streamer=clock, **kw)
 
-        run(short)  # warm-up
-        # Interleaved, the fastest of each: a busy host only ever adds time, and the pairs see
-        # the same phase of it (medians of two samples could make the difference negative).
-        t_short, t_long = float("inf"), float("inf")
+        run(2)  # warm-up
+        # Gaps between consecutive steps' tokens, not a difference of two generation lengths:
+        # on a busy host that difference can come out zero or negative, a gap never does.
+        clock = _TokenClock()
         for _ in range(3):
-            t_short = min(t_short, *_timed_s(lambda: run(short), dev, 1))
-            t_long = min(t_long, *_timed_s(lambda: run(long), dev, 1))
-        step_s = (t_long - t_short) / (long - short)
+            clock.start()
+            run(1 + steps, clock)
+        step_s = statistics.median(clock.gaps)
         out["batches"][str(batch)] = {"step_ms": step_s * 1e3, "tokens_per_s": batch / step_s}
     return out
+
+
+class _TokenClock:
+    """A ``generate`` streamer that stamps each step's tokens: ``put`` gets the prompt first,
+    then every new token on the host (``generate`` copies them there itself)."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self._last: float | None = None
+        self._num_puts = 0
+
+    def start(self) -> None:
+        self._last, self._num_puts = None, 0
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        self._num_puts += 1
+        if self._num_puts >= 3 and self._last is not None:  # the 2nd put follows the prefill
+            self.gaps.append(now - self._last)
+        self._last = now
+
+    def end(self) -> None:
+        pass
 
 
 def chunked_prefill(
