@@ -1,7 +1,9 @@
 """Speed figures of bench/gpu_check.py: memory bandwidth, pdserve decode steps, HF `generate`.
 
 Each function returns a JSON-ready dict; nothing here prints or decides pass/fail. Timing uses
-CUDA events where the device is CUDA (the host clock otherwise), after warm-up runs.
+CUDA events where the device is CUDA (the host clock otherwise), after warm-up runs; HF's steps
+are timed on the host clock as its tokens reach the host (each one a device-to-host copy that
+waits for its step).
 """
 
 from __future__ import annotations
