@@ -160,16 +160,16 @@ class _TokenClock:
 
     def __init__(self) -> None:
         self.gaps: list[float] = []
-        self._last: float | None = None
+        self._last = 0.0
         self._num_puts = 0
 
     def start(self) -> None:
-        self._last, self._num_puts = None, 0
+        self._num_puts = 0
 
     def put(self, value: torch.Tensor) -> None:
         now = time.perf_counter()
         self._num_puts += 1
-        if self._num_puts >= 3 and self._last is not None:  # the 2nd put follows the prefill
+        if self._num_puts >= 3:  # the 1st put is the prompt, the 2nd follows the prefill
             self.gaps.append(now - self._last)
         self._last = now
 

@@ -9,8 +9,8 @@
    the runner's thread (no background fill), for comparison (the server level too).
 2. Server level (colocated, HTTP): the TPOT of an unconstrained streaming request alone, next
    to an unconstrained and next to a constrained neighbour streaming at the same time, and the
-   runner's mean step over each case (from ``/metrics``: the step without the loop's part,
-   less noisy than the TPOT).
+   runner's mean decode step over each case (its step counters: the step without the loop's
+   part, less noisy than the TPOT).
 
 Each case is timed ``--rounds`` times, in turn with the others; the figures are medians.
 
@@ -33,7 +33,6 @@ from pathlib import Path
 from unittest import mock
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
 
@@ -165,32 +164,23 @@ async def server_bench(args: argparse.Namespace) -> dict[str, float]:
                 streams = [_stream_tpot(http, url, plain)]
                 if neighbour is not None:
                     streams.append(_stream_tpot(http, url, neighbour))
-                before = await _decode_steps(http, url)
+                before = _decode_steps(server)
                 tpots[name].append((await asyncio.gather(*streams))[0])
-                steps[name].append(_mean_step_s(before, await _decode_steps(http, url)))
+                steps[name].append(_mean_step_s(before, _decode_steps(server)))
     out = {name: statistics.median(values) * 1e3 for name, values in tpots.items()}
     for name, values in steps.items():  # the runner's own decode step, without the loop's part
         out[name.replace("tpot_ms", "decode_step_ms")] = statistics.median(values) * 1e3
     return out
 
 
-async def _decode_steps(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
-    """The decode phase's (steps, seconds) from ``/metrics`` (``pdserve_model_steps`` and
-    ``pdserve_model_step_seconds``; prefill and mixed calls are the other phase)."""
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.labels.get("phase") == "decode" and sample.name in _DECODE_COUNTERS:
-                found[sample.name] = sample.value
-    return tuple(found.get(name, 0.0) for name in _DECODE_COUNTERS)  # type: ignore[return-value]
+def _decode_steps(server: Server) -> tuple[int, float]:
+    """The runner's decode (steps, seconds) so far: the counters behind ``pdserve_model_steps``
+    and ``pdserve_model_step_seconds`` (prefill and mixed calls are the other phase)."""
+    stats = server.engine.runner.stats
+    return stats.num_decode_steps, stats.decode_seconds
 
 
-_DECODE_COUNTERS = ("pdserve_model_steps_total", "pdserve_model_step_seconds_total")
-
-
-def _mean_step_s(before: tuple[float, float], after: tuple[float, float]) -> float:
+def _mean_step_s(before: tuple[int, float], after: tuple[int, float]) -> float:
     steps, seconds = after[0] - before[0], after[1] - before[1]
     return seconds / steps if steps else float("nan")
 

@@ -88,13 +88,15 @@ class GrammarMatcher:
         return self._fill_error or self._error
 
     def _take_back(self) -> bool:
-        if self._fill_error is None and not self._wait_idle():
-            self._fill_error = f"bitmask fill took over {FILL_TIMEOUT_S:g} s"
-        return self._fill_error is None
+        return self._fill_error is None and self._wait_idle()
 
     def _wait_idle(self) -> bool:
+        """Wait for a fill in flight; False (and the fill's error recorded) when it wedged."""
         # is_set first: Event.wait takes its condition's lock even when the event is set.
-        return self._idle.is_set() or self._idle.wait(FILL_TIMEOUT_S)
+        if self._idle.is_set() or self._idle.wait(FILL_TIMEOUT_S):
+            return True
+        self._fill_error = f"bitmask fill took over {FILL_TIMEOUT_S:g} s"
+        return False
 
     def _advanced(self, ok: bool) -> bool:
         self._row_is_valid = False
@@ -119,7 +121,6 @@ class GrammarMatcher:
         started. A matcher in error allows nothing but EOS; a failed fill allows everything
         (the request then fails at its accept, its neighbours sample as usual)."""
         if not self._wait_idle():
-            self._fill_error = f"bitmask fill took over {FILL_TIMEOUT_S:g} s"
             return torch.full_like(self._row, -1)
         if not self._row_is_valid:
             self.fill_now()

@@ -11,8 +11,7 @@ returns None and every caller falls back to torch.
 
 What the module holds: the bf16-weight matmul (:mod:`pdserve.kernels.cpu_gemm`), paged decode
 attention (:mod:`pdserve.kernels.paged_decode`), fused RMSNorm (:mod:`pdserve.kernels.rmsnorm`)
-and grammar masks on logits
-(:mod:`pdserve.kernels.logits_processors`).
+and grammar masks on logits (:mod:`pdserve.kernels.logits_processors`).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import threading
 import torch
 
 from pdserve.grammar import GrammarCompiler, GrammarSpec
+from pdserve.grammar import matcher as matcher_module
 from pdserve.grammar.filler import MaskFiller
 from pdserve.grammar.matcher import GrammarMatcher, prefetch_all
 
@@ -139,6 +140,22 @@ def test_accept_waits_for_the_fill_that_owns_the_state() -> None:
     gate.set()
     thread.join(WAIT_S)
     assert accepted.is_set() and llm.calls == ["fill", "consume"]
+
+
+def test_a_wedged_fill_allows_everything_then_fails_its_request(monkeypatch) -> None:
+    monkeypatch.setattr(matcher_module, "FILL_TIMEOUT_S", 0.05)
+    gate = threading.Event()  # never set while the matcher waits: the fill is wedged
+    llm = GatedLLMatcher(gate)
+    matcher = GrammarMatcher(llm, 64, MaskFiller("test-fill"))  # type: ignore[arg-type]
+    matcher.prefetch()
+    assert llm.started.wait(WAIT_S)
+    try:
+        assert (matcher.bitmask() == -1).all()  # the step samples as if unconstrained
+        assert "bitmask fill took over" in (matcher.error or "")
+        assert not matcher.accept(0)  # and the request fails at its accept
+        assert "consume" not in llm.calls  # the state was never touched while the fill owned it
+    finally:
+        gate.set()  # let the filler's thread go
 
 
 def test_prefetch_fills_once_per_state_and_never_after_the_end(compiler, tokenizer) -> None:
