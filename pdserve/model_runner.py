@@ -26,7 +26,6 @@ from pdserve.device import (
 from pdserve.engine.protocol import TokenLogprob
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
-from pdserve.kernels.linear import auto_fp32_min_rows
 from pdserve.kernels.prompt_logprobs import (
     PromptLogprobs,
     prompt_logprobs_for,
@@ -42,10 +41,10 @@ from pdserve.kv_sizing import (
     warm_up_sequences,
 )
 from pdserve.model.config import ModelConfig
-from pdserve.model.dtype import resolve_dtype
+from pdserve.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
 from pdserve.model.graph_runner import DecodeGraphRunner
-from pdserve.model.llama import LlamaModel
+from pdserve.model.llama import LlamaModel, activation_dtype
 from pdserve.model.loader import load_weights, stored_dtype
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.sampler import sample_step
@@ -80,11 +79,10 @@ class RunnerConfig:
     num_threads: int | None = None  # torch intra-op threads of prefill; None: torch's default
     # Threads of decode steps; None: the same as prefill until calibrate_decode_threads() runs.
     decode_threads: int | None = None
-    # Matmuls with at least this many rows run in float32 on float32 weight copies (2x the
-    # weight memory again). None: auto (on for bf16 on CPUs without native bf16 GEMM); 0: off.
-    fp32_matmul_min_rows: int | None = None
-    # False for a worker that never prefills prompts (the decode role): auto then makes no
-    # float32 copies where the bf16 kernel runs (see auto_fp32_min_rows).
+    # The KV cache's dtype: "auto" (the weights' dtype: bf16 for a bf16 checkpoint),
+    # "bfloat16" or "float32" (on CPUs, where activations are float32; see pdserve.model.dtype).
+    kv_cache_dtype: str = "auto"
+    # False for a worker that never prefills prompts (the decode role).
     prefills_prompts: bool = True
     # "auto" | "torch" | "cpp" | "triton" (pdserve.attention.backend): auto picks the C++ kernel
     # on CPUs, Triton on CUDA, torch where neither runs.
@@ -135,6 +133,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         declared = self.model_config.checkpoint_dtype or stored_dtype(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, declared)
+        self.act_dtype = activation_dtype(self.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.act_dtype)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         mc = self.model_config
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.
@@ -142,9 +142,7 @@ class ModelRunner:
         self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
         weights = load_weights(config.model_dir, mc, self.dtype, str(self.device))
-        self.model = LlamaModel(
-            mc, weights, self.max_model_len, self.dtype, str(self.device), self._fp32_min_rows()
-        )
+        self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, str(self.device))
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
@@ -173,7 +171,7 @@ class ModelRunner:
         self.kv_pool = KVPagePool(self.kv_config, device=self.device)
         self.attn_backend = create_backend(
             self.config.attention_backend,
-            AttentionConfig.of(self.model_config, self.max_model_len),
+            AttentionConfig.of(self.model_config, self.max_model_len, self.act_dtype),
             self.kv_pool,
         )
 
@@ -230,7 +228,7 @@ class ModelRunner:
     def _kv_config(self, mc: ModelConfig, is_warm_up: bool = False) -> KVCacheConfig:
         c = self.config
         probe = KVCacheConfig(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, c.page_size, self.dtype
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, c.page_size, self.kv_dtype
         )
         kv_bytes = c.kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES
         if is_warm_up:  # enough pages for the warm-up's prefill (see _size_pool_from_memory)
@@ -240,16 +238,8 @@ class ModelRunner:
         if num_pages < 1:
             raise ValueError(f"kv_cache_bytes={kv_bytes} is less than one KV page")
         return KVCacheConfig(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, num_pages, c.page_size, self.dtype
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, num_pages, c.page_size, self.kv_dtype
         )
-
-    def _fp32_min_rows(self) -> int | None:
-        if not is_cpu(self.device):
-            return None  # float32 weight copies are a CPU GEMM workaround: never on CUDA
-        rows = self.config.fp32_matmul_min_rows
-        if rows is None:
-            return auto_fp32_min_rows(self.device, self.dtype, self.config.prefills_prompts)
-        return rows or None
 
     def _max_model_len(self, mc: ModelConfig, kv: KVCacheConfig | None) -> int:
         """The configured length (or the model's), capped by positions and ``kv``'s capacity."""

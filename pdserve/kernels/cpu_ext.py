@@ -10,7 +10,7 @@ only load it. Where it cannot be built (no compiler) or the CPU has no AVX2, :fu
 returns None and every caller falls back to torch.
 
 What the module holds: the bf16-weight matmul (:mod:`pdserve.kernels.cpu_gemm`), paged decode
-attention (:mod:`pdserve.kernels.paged_decode`), fused RMSNorm (:mod:`pdserve.kernels.rmsnorm`)
+attention (:mod:`pdserve.kernels.paged_attention`), fused RMSNorm (:mod:`pdserve.kernels.rmsnorm`)
 and grammar masks on logits (:mod:`pdserve.kernels.logits_processors`).
 """
 
