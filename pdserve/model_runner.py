@@ -23,7 +23,6 @@ from pdserve.device import (
     check_gpu_memory_utilization,
     is_cpu,
 )
-from pdserve.engine.protocol import TokenLogprob
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.linear import auto_fp32_min_rows
@@ -56,6 +55,7 @@ from pdserve.thread_tuning import (
     choose_threads,
     time_candidates,
 )
+from pdserve.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
 

@@ -117,3 +117,98 @@ def test_only_the_entry_point_imports_the_top_command_module() -> None:
     graph = import_graph(module_files())
     importers = {name for name, targets in graph.items() if "pdserve.cli" in targets}
     assert importers == {"pdserve.__main__"}
+
+
+def _unit(module: str) -> str:
+    """The top-level part of pdserve a module belongs to: ``pdserve.kernels.rope`` -> kernels."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+# Compute, transfer and plain types: what the serving layers are built from. None of it may import
+# a serving layer back (docs/architecture.md, "Dependency direction").
+LOWER = {
+    "attention", "device", "envs", "fsm", "grammar", "identity", "kernels", "kv_sizing",
+    "lifetime", "model",
+    "model_runner", "registration_msg", "sampler", "sampling_params", "sequence",
+    "thread_tuning", "transport", "types",
+}  # fmt: skip
+SERVING = {
+    "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher", "llm",
+    "metrics", "registration", "router", "server",
+}  # fmt: skip
+WORKER = {"api", "engine", "llm", "registration", "server"}  # never the router's code
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that point up: a lower part importing a serving layer, a worker part importing
+    the router, ``fsm`` importing anything of ours, the HTTP layer seeing more of the engine
+    than ``engine.protocol``."""
+    bad = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            src, dst = _unit(name), _unit(target)
+            if src == dst or dst == "pdserve":
+                continue
+            if (
+                (src in LOWER and dst in SERVING)
+                or (src in WORKER and dst == "router")
+                or src == "fsm"
+                or (src == "api" and dst == "engine" and target != "pdserve.engine.protocol")
+            ):
+                bad.append(f"{name} -> {target}")
+    return bad
+
+
+def test_imports_point_down_the_layers() -> None:
+    graph = import_graph(module_files())
+    units = {_unit(name) for name in graph} - {"pdserve", "__main__"}
+    assert units <= LOWER | SERVING, f"place these in LOWER or SERVING: {units - LOWER - SERVING}"
+    assert layering_violations(graph) == []
+
+
+def test_the_layering_check_finds_an_import_that_points_up() -> None:
+    graph = {
+        "pdserve.kernels.prompt_logprobs": {"pdserve.engine.protocol", "pdserve.sequence"},
+        "pdserve.server": {"pdserve.router.registration", "pdserve.registration_msg"},
+        "pdserve.api.app": {"pdserve.engine.protocol", "pdserve.engine.engine"},
+    }
+    assert layering_violations(graph) == [
+        "pdserve.api.app -> pdserve.engine.engine",
+        "pdserve.kernels.prompt_logprobs -> pdserve.engine.protocol",
+        "pdserve.server -> pdserve.router.registration",
+    ]
+
+
+def environment_reads(path: Path) -> list[int]:
+    """Lines of ``path`` that read or change environment variables (``os.environ``,
+    ``os.getenv``, ``os.putenv``, or those names imported from ``os``)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+            and node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv")
+        ) or (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "os"
+            and any(a.name in ("environ", "getenv", "putenv") for a in node.names)
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_envs_reads_environment_variables() -> None:
+    readers = {
+        name: lines
+        for name, path in module_files().items()
+        if name != "pdserve.envs" and (lines := environment_reads(path))
+    }
+    assert readers == {}
+
+
+def test_the_environment_check_sees_environ_and_getenv(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text("import os\nfrom os import getenv\nx = os.environ.get('PATH')\nos.getpid()\n")
+    assert environment_reads(path) == [2, 3]
