@@ -130,7 +130,7 @@ def _unit(module: str) -> str:
 LOWER = {
     "attention", "device", "envs", "fsm", "grammar", "identity", "kernels", "kv_sizing",
     "lifetime", "model",
-    "model_runner", "registration_msg", "sampler", "sampling_params", "sequence",
+    "model_runner", "registration_msg", "runner_config", "sampler", "sampling_params", "sequence",
     "thread_tuning", "transport", "types",
 }  # fmt: skip
 SERVING = {

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.engine.admission import new_request
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.handoff import Handoff
-from pdserve.engine.output import OutputState
 from pdserve.engine.page_frees import PageFrees
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.protocol import (
@@ -37,7 +36,6 @@ from pdserve.engine.warmup import warm_up
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY
 from pdserve.model_runner import ModelRunner
-from pdserve.sequence import Sequence
 from pdserve.thread_tuning import should_calibrate
 
 logger = logging.getLogger(__name__)
@@ -162,22 +160,11 @@ class Engine:
             raise EngineError(
                 f"request id {request.request_id!r} is already in flight", 409, "conflict_error"
             )
-        sp = request.sampling
-        if sp.seed is None:
-            sp.seed = random.getrandbits(62)
-        num_prompt = len(request.prompt_token_ids)
-        need = self.runner.kv_config.pages_for(
-            min(num_prompt + sp.max_tokens, self.info.max_model_len)
-        )
-        if need > self.allocator.num_pages:
-            raise EngineError(
-                f"request needs {need} KV pages, the cache holds {self.allocator.num_pages}",
-                400, "invalid_request_error", "context_length_exceeded",
-            )  # fmt: skip
-        seq = Sequence(request.request_id, list(request.prompt_token_ids), num_prompt, sp)
-        seq.grammar = request.grammar
-        req = Request(request.request_id, seq, request.kv_transfer, resume=request.resume)
-        req.out_state = OutputState(req.request_id, seq, self.tokenizer, self.info.max_model_len)
+        req = new_request(
+            request, self.runner.kv_config, self.allocator.num_pages, self.info.max_model_len,
+            self.tokenizer,
+        )  # fmt: skip
+        sp, num_prompt = req.seq.sampling, req.seq.num_prompt_tokens
         self._requests[req.request_id] = req
         self._idle.clear()
         self.observer.on_arrival(req)
