@@ -17,13 +17,7 @@ import torch
 
 from pdserve.attention.backend import AttentionConfig
 from pdserve.attention.factory import create_backend
-from pdserve.device import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    check_device,
-    check_gpu_memory_utilization,
-    is_cpu,
-)
-from pdserve.engine.protocol import TokenLogprob
+from pdserve.device import check_device, check_gpu_memory_utilization, is_cpu
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.prompt_logprobs import (
@@ -47,6 +41,7 @@ from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel, activation_dtype
 from pdserve.model.loader import load_weights, stored_dtype
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.runner_config import RunnerConfig
 from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import (
@@ -55,40 +50,9 @@ from pdserve.thread_tuning import (
     choose_threads,
     time_candidates,
 )
+from pdserve.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    model_dir: str
-    # "auto": the checkpoint's own (pdserve.model.dtype); "bfloat16" | "float32"; "float16" on CUDA
-    dtype: str = "auto"
-    page_size: int = 16
-    num_pages: int | None = None  # None: as many as fit in kv_cache_bytes
-    # None: 512 MiB on CPU; on CUDA what gpu_memory_utilization leaves (see pdserve.kv_sizing).
-    kv_cache_bytes: int | None = None
-    max_num_seqs: int = 64
-    max_prefill_tokens: int = 2048  # the offline LLM's default step budget
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    device: str = "cpu"  # cpu | cuda | cuda:N, checked at start (pdserve.device)
-    # CUDA: the fraction of the device's total memory this worker may use, the KV pool included.
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    # CUDA: bytes held back for CUDA graphs when sizing the pool; None: the default estimate.
-    graph_reserve_bytes: int | None = None
-    num_threads: int | None = None  # torch intra-op threads of prefill; None: torch's default
-    # Threads of decode steps; None: the same as prefill until calibrate_decode_threads() runs.
-    decode_threads: int | None = None
-    # The KV cache's dtype: "auto" (the weights' dtype: bf16 for a bf16 checkpoint),
-    # "bfloat16" or "float32" (on CPUs, where activations are float32; see pdserve.model.dtype).
-    kv_cache_dtype: str = "auto"
-    # False for a worker that never prefills prompts (the decode role).
-    prefills_prompts: bool = True
-    # "auto" | "torch" | "cpp" | "triton" (pdserve.attention.backend): auto picks the C++ kernel
-    # on CPUs, Triton on CUDA, torch where neither runs.
-    attention_backend: str = "auto"
-    # Decode without CUDA graphs (always so on CPU, and with a backend that cannot be captured).
-    enforce_eager: bool = False
 
 
 @dataclass

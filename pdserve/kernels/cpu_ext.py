@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve import envs
+
 logger = logging.getLogger(__name__)
 
 MODULE_NAME = "pdserve_cpu_ext"
@@ -127,9 +129,7 @@ def _compile_into(final: Path) -> None:
 def _put_ninja_on_path() -> None:
     """torch runs ``ninja`` from PATH; pip's ``ninja`` package puts it beside the venv's python."""
     if shutil.which("ninja") is None:
-        os.environ["PATH"] = (
-            f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        )
+        envs.prepend_to_path(str(Path(sys.executable).parent))
 
 
 def import_library(path: Path) -> types.ModuleType:
