@@ -44,6 +44,7 @@ class ServerInfoMsg:
     max_model_len: int
     dtype: str = ""  # KV dtype ("" from a worker that does not publish it)
     kv_layout: str = ""  # transport.layout.layout_fingerprint of its page pool
+    weights: str = ""  # model.fingerprint.weights_fingerprint ("" if not published)
     load: WorkerLoad | None = None  # as of this probe; None from a worker that reports none
 
     @classmethod
@@ -74,6 +75,7 @@ class ServerInfoMsg:
             max_model_len=max_len,
             dtype=str(raw.get("dtype") or ""),
             kv_layout=str(raw.get("kv_layout") or ""),
+            weights=str(raw.get("weights") or ""),
             load=WorkerLoad.from_json(raw.get("load")),
         )
 
@@ -107,11 +109,11 @@ class Worker:
 
     @property
     def identity(self) -> Identity | None:
-        """Model, dtype and KV layout, from the last probe, else the registration."""
+        """Model, dtype, KV layout and weights, from the last probe, else the registration."""
         src = self.info or self.registration
         if src is None:
             return None
-        return Identity(src.model, src.dtype, src.kv_layout)
+        return Identity(src.model, src.dtype, src.kv_layout, src.weights)
 
     def is_available(self) -> bool:
         """Healthy, pairable with the fleet, and its breaker lets a request through."""
@@ -148,6 +150,7 @@ class Worker:
             "bootstrap_host": self.host if self.role == "prefill" else None,
             "dtype": info.dtype if info else None,
             "kv_layout": info.kv_layout if info else None,
+            "weights": info.weights if info else None,
             "compatible": self.incompatibility is None,
             "compatibility_error": self.incompatibility,
             "registered": self.registration is not None,

@@ -98,7 +98,9 @@ class KVSender:
             config.bootstrap_token,
         )  # fmt: skip
         self.counters = SenderStats()
-        self.layout = layout_of(pool, config.model_name, config.model_fingerprint)
+        self.layout = layout_of(
+            pool, config.model_name, config.model_fingerprint, config.weights_fingerprint
+        )
         self._agent: KVAgent | None = None
         self._writer = RoomWriter(self, observer or TransferObserver())
         self.writes = self._writer.writes  # (decode peer key, nonce) -> room, window open
