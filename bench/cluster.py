@@ -45,6 +45,8 @@ DEFAULT_ROUTER_ARGS = (
     "--first-byte-timeout", "25", "--breaker-reset", "2",
 )  # fmt: skip
 PROBE_TIMEOUT_S = 5.0  # one HTTP call to a local process
+# A router's /health/ready also counts a decode prefilling itself; a bench measures the PD path.
+ROUTER_READY_PATH = "/health/pd"
 
 
 def free_port() -> int:
@@ -193,7 +195,8 @@ class Cluster:
         for d in self.decodes:
             argv += ["--decode", d.url]
         return ManagedProc("router", "router", argv, f"http://127.0.0.1:{port}",
-                           self.log_dir / "router.log", self._env())  # fmt: skip
+                           self.log_dir / "router.log", self._env(),
+                           ready_path=ROUTER_READY_PATH)  # fmt: skip
 
     def _env(self) -> dict[str, str]:
         return {"PDSERVE_LOG_LEVEL": self.spec.log_level}

@@ -13,7 +13,7 @@ from pdserve.cli_common import DeprecatedAlias, run_async, setup_logging
 from pdserve.envs import read_env
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.router.app import Router
-from pdserve.router.config import POLICY_NAMES, RouterConfig
+from pdserve.router.config import POLICY_NAMES, READINESS_MODES, RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enforce-disagg", action="store_true",
         help="never let a decode worker prefill itself when no prefill worker is healthy",
+    )  # fmt: skip
+    p.add_argument(
+        "--readiness", choices=READINESS_MODES, default=d.readiness,
+        help="what GET /health/ready requires: serving = any path that serves, the decode "
+        "fallback included; pd = a prefill+decode pair (GET /health/pd always answers that)",
     )  # fmt: skip
     p.add_argument(
         "--max-body-kb", type=int, default=d.max_body_bytes >> 10,
@@ -109,6 +114,7 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         max_attempts=args.max_attempts,
         migration_limit=args.migration_limit,
         enforce_disagg=args.enforce_disagg,
+        readiness=args.readiness,
         backoff_base_s=args.backoff_base,
         breaker_failures=args.breaker_failures,
         breaker_reset_s=args.breaker_reset,

@@ -7,6 +7,10 @@ from urllib.parse import urlsplit
 
 POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
 WORKER_ROLES = ("prefill", "decode", "colocated")
+# What the router's GET /health/ready requires: "serving", any path that serves (the decode
+# fallback included, so a balancer keeps a router that lost every prefill in rotation); "pd",
+# the full path (a prefill+decode pair or a colocated worker; always at GET /health/pd).
+READINESS_MODES = ("serving", "pd")
 
 
 def normalize_worker_url(url: str) -> str:
@@ -61,6 +65,7 @@ class RouterConfig:
     max_attempts: int = 3
     migration_limit: int = 3  # resumptions of a stream broken mid-answer; 0 turns it off
     enforce_disagg: bool = False  # no decode-prefills-itself fallback without a prefill
+    readiness: str = "serving"  # what GET /health/ready requires (READINESS_MODES)
     backoff_base_s: float = 0.05
     max_backoff_s: float = 2.0
     breaker_failures: int = 3
@@ -80,6 +85,8 @@ class RouterConfig:
         all_urls = self.prefill_urls + self.decode_urls + self.worker_urls
         if len(set(all_urls)) != len(all_urls):
             raise ValueError("a worker url is listed more than once")
+        if self.readiness not in READINESS_MODES:
+            raise ValueError(f"readiness must be one of {READINESS_MODES}: {self.readiness!r}")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:

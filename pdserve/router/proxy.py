@@ -299,6 +299,10 @@ class Dispatcher:
         # (a decode holding the prefix receives only the rest of the KV).
         prefills = self._workers.available("prefill")
         decodes = self._workers.available("decode")
+        if not self._config.enforce_disagg and decodes:
+            # Every prefill failed this request already (one killed a moment ago still looks
+            # healthy until the next probe): the retry goes to a decode prefilling itself.
+            prefills = [w for w in prefills if w.url not in excluded]
         if prefills and decodes:
             return Plan(
                 self._pick("prefill", prefills, excluded, key),

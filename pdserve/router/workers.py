@@ -290,10 +290,18 @@ class WorkerManager:
         return [w for w in self._workers.values() if w.role == role and w.is_available()]
 
     def has_complete_path(self) -> bool:
-        """A prefill+decode pair or a colocated worker can take a request now."""
+        """The full path is up: a prefill+decode pair or a colocated worker can take a request
+        now (``GET /health/pd``)."""
         if self.available("colocated"):
             return True
         return bool(self.available("prefill")) and bool(self.available("decode"))
+
+    def has_serving_path(self) -> bool:
+        """Some path serves a request now: the full one, or a decode that prefills itself
+        (the fallback when no prefill is available, unless ``enforce_disagg``)."""
+        if self.has_complete_path():
+            return True
+        return not self._config.enforce_disagg and bool(self.available("decode"))
 
 
 @dataclass(frozen=True, slots=True)

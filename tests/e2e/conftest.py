@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 READY_TIMEOUT_S = 180.0
+ROUTER_PD_READY = "/health/pd"  # 200 once a prefill+decode pair is up (not the fallback)
 
 
 _GIVEN_PORTS: set[int] = set()
@@ -42,6 +43,8 @@ class Proc:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # A router's /health/ready counts the decode fallback; tests wait for the PD path.
+    ready_path: str = "/health/ready"
 
     def start(self) -> Proc:
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed when the process is reaped
@@ -60,7 +63,7 @@ class Proc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health/ready", timeout=2) as r:
+                with urllib.request.urlopen(f"{self.url}{self.ready_path}", timeout=2) as r:
                     if r.status == 200:
                         return self
             except OSError:
@@ -119,7 +122,8 @@ def router(tmp: Path, prefills: list[Proc], decodes: list[Proc], *extra: str) ->
         argv += ["--prefill", p.url]
     for d in decodes:
         argv += ["--decode", d.url]
-    return Proc("router", [*argv, *extra], f"http://127.0.0.1:{port}", tmp / "router.log")
+    url, log = f"http://127.0.0.1:{port}", tmp / "router.log"
+    return Proc("router", [*argv, *extra], url, log, ready_path=ROUTER_PD_READY)
 
 
 @dataclass
