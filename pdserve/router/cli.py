@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         "colocated worker) can take a request soon the router answers 429 + Retry-After",
     )  # fmt: skip
     p.add_argument(
+        "--max-prefill-backlog-tokens", type=int, default=d.max_prefill_backlog_tokens,
+        metavar="N", help="a prefilling worker with N prompt tokens queued (reported, or sent by "
+        "this router and not prefilled yet) takes no more; when none can, 429 + Retry-After",
+    )  # fmt: skip
+    p.add_argument(
         "--migration-limit", type=int, default=d.migration_limit, metavar="N",
         help="resume a stream broken mid-answer on another path up to N times (0: off)",
     )  # fmt: skip
@@ -119,6 +124,7 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         breaker_failures=args.breaker_failures,
         breaker_reset_s=args.breaker_reset,
         max_worker_queue=args.max_worker_queue,
+        max_prefill_backlog_tokens=args.max_prefill_backlog_tokens,
         drain_timeout_s=args.drain_timeout,
         api_key=api_key,
         worker_api_key=args.worker_api_key or api_key,

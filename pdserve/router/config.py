@@ -75,6 +75,8 @@ class RouterConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     # Admission (router/load.py): a worker with this many requests queued cannot take more soon.
     max_worker_queue: int = 256
+    # ... and a prefilling worker with this many prompt tokens queued takes no more prompts.
+    max_prefill_backlog_tokens: int = 65536
     retry_after_s: int = 1  # the Retry-After of a 429 (admission check) or 503 (draining)
     drain_timeout_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
 
@@ -95,6 +97,8 @@ class RouterConfig:
             raise ValueError("max_attempts and breaker_failures must be >= 1")
         if self.max_worker_queue < 1 or self.retry_after_s < 0:
             raise ValueError("max_worker_queue must be >= 1 and retry_after_s >= 0")
+        if self.max_prefill_backlog_tokens < 1:
+            raise ValueError("max_prefill_backlog_tokens must be >= 1")
         if self.migration_limit < 0:
             raise ValueError("migration_limit must be >= 0")
         if self.max_body_bytes < 1024:

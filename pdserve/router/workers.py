@@ -90,6 +90,7 @@ class Worker:
     state: str = UNKNOWN
     info: ServerInfoMsg | None = None
     num_in_flight: int = 0
+    num_in_flight_tokens: int = 0  # prompt tokens of the legs in flight that prefill here
     last_error: str | None = None
     last_checked: float | None = None  # monotonic time of the last completed probe
     # Self-registered workers: the last registration and when its lease ends (monotonic);
@@ -128,6 +129,13 @@ class Worker:
         """Lower is less loaded (router/load.py)."""
         return load_score(self.num_in_flight, self.load)
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens queued here for prefill: what it reported, or what this router sent
+        it and has not heard the end of, when larger (current between two probes)."""
+        load = self.load
+        reported = load.waiting_prompt_tokens if load is not None else 0
+        return max(reported, self.num_in_flight_tokens)
+
     def mark_draining(self) -> None:
         """It answered a request with ``draining``: out at once, not at the next probe (which
         puts it back once it is ready again, e.g. restarted)."""
@@ -155,6 +163,7 @@ class Worker:
             "compatibility_error": self.incompatibility,
             "registered": self.registration is not None,
             "in_flight": self.num_in_flight,
+            "in_flight_prompt_tokens": self.num_in_flight_tokens,
             "breaker": self.breaker.state,
             "breaker_failures": self.breaker.num_failures,
             "last_error": self.last_error,
@@ -168,6 +177,7 @@ def _load_json(load: WorkerLoad | None) -> dict[str, Any] | None:
     return {
         "num_requests": load.num_requests,
         "queued": load.queued,
+        "waiting_prompt_tokens": load.waiting_prompt_tokens,
         "running": load.running,
         "free_pages": load.free_pages,
         "draining": load.draining,
