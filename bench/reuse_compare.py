@@ -13,11 +13,12 @@ default), ``colocated-nocache``, ``pd`` (router + prefill + decode sharing one C
 caching on (``--vllm-python``). Ratios: TTFT nocache/cache, throughput / vLLM.
 
 ``long_prompt``: ``--num-streams`` streams decode on one colocated worker; once every one of
-them streams, a ``--long-len``-token prompt arrives. The streams' inter-token gaps that overlap
-its prefill window (arrival to first token) give ITL p50/p99, against the streams' median ITL
-over the whole run; once without chunked prefill, then with it at each step budget of
-``--max-num-batched-tokens`` (a comma list sweeps the trade-off between the streams' stalls and
-the long prompt's TTFT).
+them streams, a ``--long-len``-token prompt arrives (each stream runs until it has a token
+after the long prompt's first, so it spans the whole prefill on any machine). The streams'
+inter-token gaps that overlap its prefill window (arrival to first token) give ITL p50/p99,
+against the streams' median ITL over the whole run; once without chunked prefill, then with
+it at each step budget of ``--max-num-batched-tokens`` (a comma list sweeps the trade-off
+between the streams' stalls and the long prompt's TTFT).
 """
 
 from __future__ import annotations
@@ -181,13 +182,25 @@ class Stream:
     sent_at: float = 0.0
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    is_done: bool = False  # its response ended (or failed)
+
+
+def has_outlasted(until: Stream, now: float) -> bool:
+    """``until`` got its first token before ``now``, or ended without one."""
+    return until.is_done or bool(until.token_times and until.token_times[0] < now)
 
 
 async def stream(
     session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, out: Stream,
-    on_token: asyncio.Event | None, timeout_s: float,
+    on_token: asyncio.Event | None, timeout_s: float, until: Stream | None = None,
+    min_tokens: int = 0,
 ) -> None:  # fmt: skip
-    """POST a streamed completion; ``on_token`` is set at its second token (or its end)."""
+    """POST a streamed completion; ``on_token`` is set at its second token (or its end).
+
+    With ``until``, the client hangs up (the worker aborts it) at its first token, after
+    ``min_tokens``, that arrives once ``until`` has its first token: a stream that must still
+    run during another request's prefill does, whatever the machine's speed (its
+    ``max_tokens`` is then only a bound)."""
     payload = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
     out.sent_at = time.perf_counter()
@@ -209,9 +222,16 @@ async def stream(
                     out.token_times.append(now)
                     if on_token is not None and len(out.token_times) == 2:
                         on_token.set()
+                    if (
+                        until is not None
+                        and len(out.token_times) >= min_tokens
+                        and has_outlasted(until, now)
+                    ):
+                        return  # leaving the block closes the connection: the worker aborts
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
+        out.is_done = True
         if on_token is not None:
             on_token.set()  # ended (or failed) early: nobody waits for its second token
 
@@ -234,10 +254,14 @@ def _pct_ms(values: list[float], q: float) -> float | None:
 async def streams_and_long_prompt(
     url: str, model_dir: Path, args: argparse.Namespace
 ) -> tuple[list[Stream], Stream, int]:
-    """Start the streams; once each streams, send the long prompt; wait for them all."""
+    """Start the streams; once each streams, send the long prompt; wait for them all. Each
+    stream runs until it has a token after the long prompt's first one (and at least
+    ``--stream-output-len``): its gaps cover the long prompt's prefill by construction."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         info = await get_json(session, f"{url}/server_info")
-        long_len = min(args.long_len, int(info["max_model_len"]) - args.long_output_len - 1)
+        max_len = int(info["max_model_len"])
+        long_len = min(args.long_len, max_len - args.long_output_len - 1)
+        stream_bound = max(args.stream_output_len, max_len - args.stream_input_len - 16)
         tok = str(model_dir)
         short = workloads.make_prompts("random", args.num_streams + 1, args.stream_input_len,
                                        seed=1, tokenizer=tok)  # fmt: skip
@@ -248,10 +272,11 @@ async def streams_and_long_prompt(
             raise RuntimeError(f"warm-up failed: {warm.error}")
         started = [asyncio.Event() for _ in range(args.num_streams)]
         streams = [Stream() for _ in range(args.num_streams)]
-        tasks = [asyncio.create_task(stream(session, url, short[i], args.stream_output_len,
-                                            streams[i], started[i], args.request_timeout))
-                 for i in range(args.num_streams)]  # fmt: skip
         long = Stream()
+        tasks = [asyncio.create_task(stream(session, url, short[i], stream_bound, streams[i],
+                                            started[i], args.request_timeout, until=long,
+                                            min_tokens=args.stream_output_len))
+                 for i in range(args.num_streams)]  # fmt: skip
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)),
                                    args.request_timeout)  # fmt: skip
@@ -360,7 +385,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("long_prompt")
     g.add_argument("--num-streams", type=int, default=8)
     g.add_argument("--stream-input-len", type=int, default=32)
-    g.add_argument("--stream-output-len", type=int, default=256)
+    g.add_argument("--stream-output-len", type=int, default=256,
+                   help="tokens each stream decodes at least (and until the long prompt's first "
+                   "token has arrived)")  # fmt: skip
     g.add_argument("--long-len", type=int, default=4096, help="capped by max_model_len")
     g.add_argument("--long-output-len", type=int, default=8)
     g.add_argument("--max-num-batched-tokens", type=_budgets, default=[256],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
+POLICY_NAMES = ("auto", "round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
 WORKER_ROLES = ("prefill", "decode", "colocated")
 # What the router's GET /health/ready requires: "serving", any path that serves (the decode
 # fallback included, so a balancer keeps a router that lost every prefill in rotation); "pd",
@@ -50,7 +50,8 @@ class RouterConfig:
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     worker_urls: tuple[str, ...] = ()  # colocated workers: plain load balancing
-    policy: str = "round_robin"
+    # auto: cache_aware while more than one prefill is available, else round_robin (policies.py)
+    policy: str = "auto"
     # cache_aware: prefix match fraction that wins, and the load gap (in-flight, absolute and
     # ratio) past which the least loaded worker wins instead (pdserve.router.cache_aware).
     cache_threshold: float = 0.5

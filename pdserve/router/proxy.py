@@ -82,8 +82,13 @@ class Dispatcher:
             balance_abs=config.balance_abs_threshold,
             balance_rel=config.balance_rel_threshold,
         )
+
+        def num_prefills() -> int:
+            return len(workers.available("prefill"))
+
         self._policies = {
-            role: make_policy(config.policy, rng, cache_aware) for role in WORKER_ROLES
+            role: make_policy(config.policy, rng, cache_aware, num_prefills)
+            for role in WORKER_ROLES
         }
         self._active: dict[str, RequestCtx] = {}
         self._idle = asyncio.Event()  # set while no request is active (a drain waits on it)

@@ -314,6 +314,7 @@ async def make_worker(board: KVBoard) -> AsyncIterator[Callable[..., Awaitable[F
 
 TEST_CONFIG = RouterConfig(
     port=0,
+    policy="round_robin",  # the tests' expectations of who gets what; auto has its own
     health_interval_s=30.0,  # tests drive probes with router.health.check_all()
     health_timeout_s=1.0,
     connect_timeout_s=1.0,
