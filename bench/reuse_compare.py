@@ -29,16 +29,13 @@ import json
 import shlex
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,6 +48,7 @@ from bench.pd_compare import (  # noqa: E402
     summary_metric,
 )
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
+from bench.timed_stream import Stream, pct_ms, stream, window_itls  # noqa: E402
 from bench.vllm_ref import VllmServer  # noqa: E402
 from pdserve.cli_common import run_async  # noqa: E402
 
@@ -175,82 +173,6 @@ async def run_shared_prefix(model_dir: Path, args: argparse.Namespace) -> dict[s
 # ---- long_prompt ------------------------------------------------------------------------
 
 
-@dataclass
-class Stream:
-    """One streamed completion: the arrival time of each SSE chunk that carries text."""
-
-    sent_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    error: str | None = None
-    is_done: bool = False  # its response ended (or failed)
-
-
-def has_outlasted(until: Stream, now: float) -> bool:
-    """``until`` got its first token before ``now``, or ended without one."""
-    return until.is_done or bool(until.token_times and until.token_times[0] < now)
-
-
-async def stream(
-    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, out: Stream,
-    on_token: asyncio.Event | None, timeout_s: float, until: Stream | None = None,
-    min_tokens: int = 0,
-) -> None:  # fmt: skip
-    """POST a streamed completion; ``on_token`` is set at its second token (or its end).
-
-    With ``until``, the client hangs up (the worker aborts it) at its first token, after
-    ``min_tokens``, that arrives once ``until`` has its first token: a stream that must still
-    run during another request's prefill does, whatever the machine's speed (its
-    ``max_tokens`` is then only a bound)."""
-    payload = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-               "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-    out.sent_at = time.perf_counter()
-    try:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.post(f"{url}/v1/completions", json=payload, timeout=timeout) as resp:
-            if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return
-            async for line in resp.content:
-                now = time.perf_counter()
-                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                    continue
-                obj = orjson.loads(line[5:].strip())
-                if "error" in obj:
-                    out.error = str(obj["error"])[:200]
-                    return
-                if any(c.get("text") for c in obj.get("choices") or ()):
-                    out.token_times.append(now)
-                    if on_token is not None and len(out.token_times) == 2:
-                        on_token.set()
-                    if (
-                        until is not None
-                        and len(out.token_times) >= min_tokens
-                        and has_outlasted(until, now)
-                    ):
-                        return  # leaving the block closes the connection: the worker aborts
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"[:200]
-    finally:
-        out.is_done = True
-        if on_token is not None:
-            on_token.set()  # ended (or failed) early: nobody waits for its second token
-
-
-def window_itls(streams: list[Stream], lo: float, hi: float) -> list[float]:
-    """The streams' inter-token gaps that overlap ``(lo, hi)``: a stall across it counts."""
-    gaps = []
-    for s in streams:
-        t = np.asarray(s.token_times)
-        if len(t) > 1:
-            a, b = t[:-1], t[1:]
-            gaps += (b - a)[(b > lo) & (a < hi)].tolist()
-    return gaps
-
-
-def _pct_ms(values: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values) * 1000.0, q)) if values else None
-
-
 async def streams_and_long_prompt(
     url: str, model_dir: Path, args: argparse.Namespace
 ) -> tuple[list[Stream], Stream, int]:
@@ -307,12 +229,12 @@ async def long_prompt_once(model_dir: Path, args: argparse.Namespace, budget: in
     first = long.token_times[0]
     window = window_itls(streams, long.sent_at, first)
     all_itls = window_itls(streams, -np.inf, np.inf)
-    p50_all = _pct_ms(all_itls, 50)
-    p99_win = _pct_ms(window, 99)
+    p50_all = pct_ms(all_itls, 50)
+    p99_win = pct_ms(window, 99)
     still = sum(1 for s in streams if s.token_times[-1] > first)
     return {"chunked": chunked, "max_num_batched_tokens": step_tokens, "long_len": long_len,
             "long_ttft_ms": (first - long.sent_at) * 1000.0,
-            "window_itl_p50_ms": _pct_ms(window, 50), "window_itl_p99_ms": p99_win,
+            "window_itl_p50_ms": pct_ms(window, 50), "window_itl_p99_ms": p99_win,
             "all_itl_p50_ms": p50_all, "num_window_itls": len(window),
             "streams_running_after_first_token": still,
             "window_p99_over_median": _ratio(p99_win, p50_all)}  # fmt: skip

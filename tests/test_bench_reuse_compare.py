@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import reuse_compare  # noqa: E402
-from bench.reuse_compare import Stream, has_outlasted, window_itls  # noqa: E402
+from bench.timed_stream import Stream, has_outlasted, window_itls  # noqa: E402
 from bench.vllm_ref import VllmServer  # noqa: E402
 
 TINY = [

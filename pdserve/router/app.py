@@ -19,12 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import error_response
+from pdserve.router.health import HealthChecker
 from pdserve.router.legs import UpstreamClient
 from pdserve.router.metrics import build_registry
 from pdserve.router.proxy import Dispatcher
 from pdserve.router.registry_api import RegistryApi
 from pdserve.router.stats import RouterStats
-from pdserve.router.workers import HealthChecker, WorkerManager
+from pdserve.router.workers import WorkerManager
 
 logger = logging.getLogger(__name__)
 

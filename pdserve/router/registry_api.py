@@ -11,8 +11,9 @@ import orjson
 from aiohttp import web
 
 from pdserve.router.errors import error_response
+from pdserve.router.health import HealthChecker
 from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
-from pdserve.router.workers import HealthChecker, WorkerManager
+from pdserve.router.workers import WorkerManager
 
 
 class RegistryApi:
