@@ -41,6 +41,7 @@ DEFAULT_WORKER_ARGS = (
     "--timeout-queue", "30", "--timeout-waiting-for-kv", "20", "--timeout-request", "40",
 )  # fmt: skip
 DEFAULT_ROUTER_ARGS = (
+    "--policy", "round_robin",  # the chaos benches kill one worker of a role: load on each
     "--health-interval", "0.5", "--health-timeout", "1", "--request-timeout", "45",
     "--first-byte-timeout", "25", "--breaker-reset", "2",
 )  # fmt: skip

@@ -117,7 +117,10 @@ def worker(tmp: Path, name: str, role: str, model: Path, *extra: str) -> Proc:
 
 def router(tmp: Path, prefills: list[Proc], decodes: list[Proc], *extra: str) -> Proc:
     port = free_port()
-    argv = ["router", "--port", str(port), "--health-interval", "0.5"]
+    # Round robin: these tests drain or kill one worker of a role under load and need the load
+    # on every one (auto would send identical prompts to one; tests/router covers it).
+    policy = [] if "--policy" in extra else ["--policy", "round_robin"]
+    argv = ["router", "--port", str(port), "--health-interval", "0.5", *policy]
     for p in prefills:
         argv += ["--prefill", p.url]
     for d in decodes:
