@@ -87,14 +87,6 @@ def output_budget(body: dict[str, Any]) -> int:
     return budget if type(budget) is int and budget > 0 else 0
 
 
-def tokens_needed(body: dict[str, Any]) -> int:
-    """A lower bound on the KV tokens a request will hold: its output budget, plus its prompt
-    when given as token ids (a text prompt counts 0 here: router/prompt_size.py sizes it)."""
-    prompt = body.get("prompt")
-    is_ids = isinstance(prompt, list) and all(type(t) is int for t in prompt)
-    return output_budget(body) + (len(prompt) if is_ids else 0)
-
-
 def refusal(
     load: WorkerLoad | None, tokens: int, max_queue: int, *, is_strict: bool = False
 ) -> str | None:

@@ -9,8 +9,8 @@ from pdserve.router.load import (
     admission_refusal,
     backlog_refusal,
     load_score,
+    output_budget,
     refusal,
-    tokens_needed,
 )
 
 
@@ -42,11 +42,10 @@ def test_the_score_takes_the_larger_count_then_prefers_free_pages() -> None:
     assert load_score(3, None) == (3, 0)
 
 
-def test_tokens_needed_is_the_output_budget_plus_token_id_prompts() -> None:
-    assert tokens_needed({"max_tokens": 40, "prompt": "a long text"}) == 40
-    assert tokens_needed({"max_completion_tokens": 8, "max_tokens": 99}) == 8
-    assert tokens_needed({"max_tokens": 4, "prompt": [1, 2, 3]}) == 7
-    assert tokens_needed({"max_tokens": "9"}) == 0
+def test_the_output_budget_is_max_completion_tokens_else_max_tokens() -> None:
+    assert output_budget({"max_tokens": 40, "prompt": "a long text"}) == 40
+    assert output_budget({"max_completion_tokens": 8, "max_tokens": 99}) == 8
+    assert output_budget({"max_tokens": "9"}) == 0
 
 
 def test_a_worker_refuses_when_draining_queued_over_the_limit_or_short_of_pages() -> None:
