@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from pdserve.registration_msg import DeregistrationMsg, RegistrationMsg
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.compat import Identity, incompatible
 from pdserve.router.config import WORKER_ROLES, RouterConfig, normalize_worker_url
 from pdserve.router.load import WorkerLoad, load_score
-from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
 
 logger = logging.getLogger(__name__)
 
