@@ -11,14 +11,24 @@ converts the weights per row. Two paths replace it:
   GEMM is ~1.7-2x faster).
 
 Results are cast back, so callers only ever see the model dtype.
+
+GGUF-quantized weights (a :class:`~pdserve.model.quantized.QuantizedTensor`, or a list of them
+stacked along N) stay packed for :mod:`pdserve.kernels.quant_gemm` (float32 in and out, cast
+back) where the C++ module runs; elsewhere they are dequantized once to bf16.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ext, cpu_gemm
+from pdserve.kernels import cpu_ext, cpu_gemm, quant_gemm
+from pdserve.model.quantized import QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 
 class Linear:
@@ -29,11 +39,22 @@ class Linear:
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | QuantizedTensor | list[QuantizedTensor],
         bias: torch.Tensor | None = None,
         fp32_min_rows: int | None = None,
         use_kernel: bool = True,
     ) -> None:
+        self.quant: quant_gemm.PackedQuantWeight | None = None
+        if isinstance(weight, (QuantizedTensor, list)):
+            parts = [weight] if isinstance(weight, QuantizedTensor) else weight
+            self.quant = quant_gemm.pack_parts(parts) if use_kernel else None
+            if self.quant is not None:  # no dense weight is kept
+                self.bias = bias.float() if bias is not None else None
+                self.fp32_min_rows, self.weight_f32, self.bias_f32 = None, None, None
+                self.kernel, self.is_packed = None, False
+                return
+            _log_dequantized_once()
+            weight = torch.cat([p.dequantize(torch.bfloat16) for p in parts])
         self.weight = weight
         self.bias = bias
         self.fp32_min_rows = fp32_min_rows
@@ -49,6 +70,8 @@ class Linear:
                 self.is_packed = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x.float(), self.bias).to(x.dtype)
         rows = x.shape[0]
         if self.weight_f32 is not None and rows >= self.fp32_min_rows:  # type: ignore[operator]
             return self._linear_f32(x.float()).to(x.dtype)
@@ -67,8 +90,18 @@ class Linear:
     def num_extra_bytes(self) -> int:
         """Memory held by the packed and float32 copies (0 without them)."""
         tensors = [t for t in (self.weight_f32, self.bias_f32) if t is not None]
+        if self.quant is not None:  # the packed weight replaces the dense one
+            return self.quant.num_bytes
         packed = self.kernel.num_bytes if self.kernel is not None else 0
         return packed + sum(t.numel() * t.element_size() for t in tensors)
+
+
+@functools.cache
+def _log_dequantized_once() -> None:
+    logger.warning(
+        "quantized CPU matmul not used here (it needs AVX2 and a C++ compiler): "
+        "GGUF weights are dequantized to bf16 at load"
+    )
 
 
 # Row counts from which float32 (oneDNN) beats the bf16 alternatives, on the 2-core AVX2 EPYC,
