@@ -78,7 +78,7 @@ def main() -> None:
         raise SystemExit("the C++ kernels are unavailable here (need AVX2 and a C++ compiler)")
     shapes = LAYER_SHAPES * args.layers + [(VOCAB, HIDDEN)]
     rng = np.random.default_rng(0)
-    bf16 = [cpu_gemm.PackedBF16Weight(module, torch.randn(n, k).bfloat16()) for n, k in shapes]
+    bf16 = [cpu_gemm.PackedDenseWeight(module, torch.randn(n, k).bfloat16()) for n, k in shapes]
     paths: dict[str, tuple[Callable, list]] = {
         "bf16": (lambda x, p: p(x, None, torch.float32), bf16),
     }
