@@ -28,6 +28,7 @@ from pdserve.kernels.attention import PrefillSeqMeta
 from pdserve.sequence import Sequence
 
 DECODE_FIELDS = 5  # input_ids, positions, context_lens, page_idx, page_offset
+DECODE_ALIGN = 2  # int64 elements: a mixed step's decode part starts 16-byte aligned
 
 
 @dataclass
@@ -211,10 +212,13 @@ def mixed_batch(
     rest of the model sees one batch of all rows."""
     ext_values = extend_values(prefill, page_size, scratch_page)
     dec_values, width = decode_values(decode, page_size, scratch_page)
-    data = to_device(ext_values + dec_values, device)
+    # The decode part starts on a 16-byte boundary: Triton specialises kernels on pointer
+    # alignment, and an odd int64 offset (half the chunks) would compile a second variant.
+    dec_start = -(-len(ext_values) // DECODE_ALIGN) * DECODE_ALIGN
+    data = to_device(ext_values + [0] * (dec_start - len(ext_values)) + dec_values, device)
     extend, last_rows = extend_batch_views(data[: len(ext_values)], prefill, page_size)
     lens = [s.num_tokens for s in decode]
-    dec = decode_batch_views(data[len(ext_values) :], len(decode), width, min(lens), max(lens))
+    dec = decode_batch_views(data[dec_start:], len(decode), width, min(lens), max(lens))
     num_extend = extend.input_ids.shape[0]
     decode_rows = torch.arange(num_extend, num_extend + len(decode), device=data.device)
     batch = ForwardBatch(
