@@ -95,7 +95,8 @@ def test_prompts_at_page_boundaries_match_transformers(
         logits.append(runner.decode_logits([seq])[0])
     with torch.no_grad():
         ref = reference(torch.tensor([seq.token_ids])).logits[0, length - 1 :]
-    torch.testing.assert_close(torch.stack(logits), ref, atol=2e-4, rtol=1e-4)
+    # The reference runs on the CPU: compare there (assert_close rejects tensors on two devices).
+    torch.testing.assert_close(torch.stack(logits).cpu(), ref, atol=2e-4, rtol=1e-4)
 
 
 def test_prefill_after_cached_prefix_equals_full_prefill(runner: ModelRunner) -> None:
