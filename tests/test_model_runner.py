@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 from pathlib import Path
 
 import pytest
@@ -376,6 +377,8 @@ class FakeCudaMemory:
         monkeypatch.setattr(cuda, "memory_reserved", lambda *a: self.allocated)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: self.allocated + (256 << 20))
         monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (self.free, self.TOTAL))
+        uuid = types.SimpleNamespace(uuid=f"fake-{id(self)}")  # names the sizing lock's file
+        monkeypatch.setattr(cuda, "get_device_properties", lambda *a: uuid)
 
     @property
     def free(self) -> int:
