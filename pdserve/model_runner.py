@@ -94,6 +94,9 @@ class RunnerConfig:
     attention_backend: str = "auto"
     # Decode without CUDA graphs (always so on CPU, and with a backend that cannot be captured).
     enforce_eager: bool = False
+    # False for a worker that never runs decode steps (the prefill role): no decode graphs are
+    # captured and no memory is held back for them.
+    runs_decode_steps: bool = True
 
 
 @dataclass
@@ -206,7 +209,8 @@ class ModelRunner:
         weights_bytes -= self.kv_pool.storage.numel() * self.kv_pool.storage.element_size()
         sizing = measure_kv_sizing(
             self.device, info, weights_bytes, self._warm_up_largest_step,
-            c.gpu_memory_utilization, graph_reserve(c.enforce_eager, c.graph_reserve_bytes),
+            c.gpu_memory_utilization,
+            graph_reserve(c.enforce_eager or not c.runs_decode_steps, c.graph_reserve_bytes),
             self.kv_config.page_bytes,
         )  # fmt: skip
         del self.attn_backend, self.kv_pool
@@ -230,6 +234,7 @@ class ModelRunner:
         return (
             self.device.type == "cuda"
             and not self.config.enforce_eager
+            and self.config.runs_decode_steps
             and self.attn_backend.supports_cuda_graph
         )
 
