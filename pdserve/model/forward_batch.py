@@ -73,6 +73,23 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def decode_fields(
+    seqs: list[Sequence], page_size: int, scratch_page: int, num_rows: int
+) -> list[int]:
+    """The decode layout's per-row fields (input ids, positions, lengths, the new token's page
+    and slot) for ``seqs`` padded to ``num_rows`` rows: ``DECODE_FIELDS * num_rows`` ints."""
+    num_pad = num_rows - len(seqs)
+    assert num_pad >= 0, f"{len(seqs)} sequences do not fit {num_rows} rows"
+    lens = [s.num_tokens for s in seqs]
+    flat = [s.token_ids[-1] for s in seqs] + [0] * num_pad
+    flat += [n - 1 for n in lens] + [0] * num_pad
+    flat += lens + [1] * num_pad
+    flat += [s.page_ids[(n - 1) // page_size] for s, n in zip(seqs, lens, strict=True)]
+    flat += [scratch_page] * num_pad
+    flat += [(n - 1) % page_size for n in lens] + [0] * num_pad
+    return flat
+
+
 def decode_values(
     seqs: list[Sequence], page_size: int, scratch_page: int, num_rows: int | None = None
 ) -> tuple[list[int], int]:
@@ -83,15 +100,8 @@ def decode_values(
     """
     num_rows = num_rows or len(seqs)
     num_pad = num_rows - len(seqs)
-    assert num_pad >= 0, f"{len(seqs)} sequences do not fit {num_rows} rows"
-    lens = [s.num_tokens for s in seqs]
-    width = -(-max(lens) // page_size)
-    flat = [s.token_ids[-1] for s in seqs] + [0] * num_pad
-    flat += [n - 1 for n in lens] + [0] * num_pad
-    flat += lens + [1] * num_pad
-    flat += [s.page_ids[(n - 1) // page_size] for s, n in zip(seqs, lens, strict=True)]
-    flat += [scratch_page] * num_pad
-    flat += [(n - 1) % page_size for n in lens] + [0] * num_pad
+    width = -(-max(s.num_tokens for s in seqs) // page_size)
+    flat = decode_fields(seqs, page_size, scratch_page, num_rows)
     flat.append(width)
     for s in seqs:
         pages = s.page_ids[:width]
