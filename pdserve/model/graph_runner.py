@@ -84,7 +84,9 @@ class DecodeGraphRunner:
         self.tables = torch.zeros(max_num_seqs, self.max_pages, dtype=torch.int64,
                                   device=self.device)  # fmt: skip
         hidden_size = model.config.hidden_size
-        self.hidden = torch.zeros(max_num_seqs, hidden_size, dtype=model.dtype, device=self.device)
+        self.hidden = torch.zeros(
+            max_num_seqs, hidden_size, dtype=model.act_dtype, device=self.device
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._batches: dict[int, ForwardBatch] = {}  # the views each graph was captured on
         self.graph_memory_bytes = 0

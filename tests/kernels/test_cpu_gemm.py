@@ -11,8 +11,8 @@ from pdserve.kernels import cpu_ext, cpu_gemm
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # skips where the kernels cannot run
 
 
-def _packed(w: torch.Tensor) -> cpu_gemm.PackedBF16Weight:
-    return cpu_gemm.PackedBF16Weight(cpu_ext.load(), w)
+def _packed(w: torch.Tensor) -> cpu_gemm.PackedDenseWeight:
+    return cpu_gemm.PackedDenseWeight(cpu_ext.load(), w)
 
 
 # rows 1..13 cover every row-group split (1, 2..6, 7 = 4 + 3, 8 = 4 + 4, 13 = 5 + 4 + 4);
