@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.gpu_plan import QUICK
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("checkpoint", "bandwidth", "decode_speed", "chunked_prefill", "hf_generate",
          "device_tests", "pd_vs_colocated", "readiness")  # fmt: skip
@@ -45,7 +47,7 @@ def test_quick_cpu_rehearsal_passes_every_step_and_writes_the_json(tmp_path: Pat
     proc = subprocess.run(
         [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--quick", "--out",
          str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO, capture_output=True, text=True, timeout=QUICK.total_limit_s + 60,
     )  # fmt: skip
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     failed = {k: v for k, v in report["steps"].items() if v["status"] != "ok"}
