@@ -8,6 +8,7 @@ already written into its pages.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,7 +18,7 @@ import torch
 
 from pdserve.attention.backend import AttentionConfig
 from pdserve.attention.factory import create_backend
-from pdserve.device import check_device, check_gpu_memory_utilization, is_cpu
+from pdserve.device import bind_device, check_device, check_gpu_memory_utilization, is_cpu
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.prompt_logprobs import (
@@ -32,6 +33,7 @@ from pdserve.kv_sizing import (
     device_memory,
     graph_reserve,
     measure_kv_sizing,
+    sizing_lock,
     warm_up_sequences,
 )
 from pdserve.model.config import ModelConfig
@@ -92,6 +94,7 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig) -> None:
         self.config = config
         self.device = check_device(config.device, "RunnerConfig.device")
+        bind_device(self.device)  # warm-up and graph capture run on this thread
         if config.num_threads and is_cpu(self.device):
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(config.model_dir)
@@ -120,6 +123,8 @@ class ModelRunner:
                 self.model, self.attn_backend, config.max_num_seqs, self.max_model_len
             )
             self.graph_runner.capture()
+        if memory is not None:
+            self._sizing_lock.close()  # the pool and the graphs are allocated: the next worker
         logger.info(
             "runner ready: %s, %s on %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d, "
             "%s attention, %s decode",
@@ -147,6 +152,11 @@ class ModelRunner:
             return None
         check_gpu_memory_utilization(c.gpu_memory_utilization, "gpu_memory_utilization")
         torch.cuda.init()
+        # Until this runner's memory is in place, another worker sizing a pool on this GPU would
+        # count it as its own overhead (pdserve.kv_sizing); released at the end of __init__ (or,
+        # if that raises, when the lock's file is closed, by the process's exit at the latest).
+        self._sizing_lock = contextlib.ExitStack()
+        self._sizing_lock.enter_context(sizing_lock(self.device))
         return device_memory(self.device), torch.cuda.memory_allocated(self.device)
 
     def _size_pool_from_memory(self, memory: tuple[DeviceMemory, int]) -> None:
@@ -157,7 +167,8 @@ class ModelRunner:
         weights_bytes -= self.kv_pool.storage.numel() * self.kv_pool.storage.element_size()
         sizing = measure_kv_sizing(
             self.device, info, weights_bytes, self._warm_up_largest_step,
-            c.gpu_memory_utilization, graph_reserve(c.enforce_eager, c.graph_reserve_bytes),
+            c.gpu_memory_utilization,
+            graph_reserve(c.enforce_eager or not c.runs_decode_steps, c.graph_reserve_bytes),
             self.kv_config.page_bytes,
         )  # fmt: skip
         del self.attn_backend, self.kv_pool
@@ -181,6 +192,7 @@ class ModelRunner:
         return (
             self.device.type == "cuda"
             and not self.config.enforce_eager
+            and self.config.runs_decode_steps
             and self.attn_backend.supports_cuda_graph
         )
 
@@ -272,9 +284,11 @@ class ModelRunner:
         return t3 - t0
 
     def _use_threads(self, num_threads: int) -> None:
-        # Per phase, from the thread that runs the forward (torch's OpenMP thread count is per
-        # calling thread once set); read back each time, as other runners may share the process.
-        # On CUDA the host threads only launch kernels: leave torch's setting alone.
+        # Per phase, from the thread that runs the forward (torch's OpenMP thread count and the
+        # current CUDA device are per calling thread); read back each time, as other runners
+        # may share the process. On CUDA the host threads only launch kernels: leave torch's
+        # thread count alone.
+        bind_device(self.device)
         if is_cpu(self.device) and torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
 

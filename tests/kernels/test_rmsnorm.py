@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ext
 from pdserve.kernels.rmsnorm import add_rms_norm_, rms_norm
 
 
@@ -26,19 +27,19 @@ def test_bfloat16_statistics_are_computed_in_float32() -> None:
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 
-kernel = cpu_ext.load()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel needs AVX2 and a C++ compiler")
+needs_kernel = pytest.mark.usefixtures("cpu_kernels")  # skips where the kernels cannot run
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1024), (8, 256), (300, 200), (5, 3)])
-def test_kernel_matches_torch_rms_norm(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+def test_kernel_matches_torch_rms_norm(
+    cpu_kernels: types.ModuleType, dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
     gen = torch.Generator().manual_seed(shape[0] * shape[1])
     x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
     w = torch.randn(shape[1], generator=gen).to(dtype)
-    assert kernel is not None
-    out = kernel.rms_norm(x, w, 1e-5)
+    out = cpu_kernels.rms_norm(x, w, 1e-5)
     expected = F.rms_norm(x, (shape[1],), w, 1e-5)
     assert out.dtype == dtype
     # float32 sums in another order; bf16 may differ by one rounding step at most.
