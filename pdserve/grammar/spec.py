@@ -20,9 +20,10 @@ class GrammarSpec:
     ``source`` is the schema as compact JSON text (json_schema), the regex, the Lark grammar,
     or the choices as a JSON array of strings (choice); empty for json_object.
 
-    A schema keeps its key order: the output's properties come in the order they are declared
-    (users put reasoning before the answer on purpose), as vLLM, xgrammar and OpenAI do; the
-    same schema with other key order is another spec, and another grammar.
+    A schema keeps its properties' order: the output's keys come in the order they are declared
+    (users put reasoning before the answer on purpose), as vLLM, xgrammar and OpenAI do. Every
+    other key is sorted, so the same schema written with its keywords in another order is the
+    same spec (one compile); other property order is another spec, and another grammar.
 
     ``allow_extra_keys``: JSON Schema's own reading, where an object that does not say
     ``additionalProperties`` may hold undeclared keys. Off by default, as in vLLM's default
@@ -37,7 +38,8 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: object, allow_extra_keys: bool = False) -> GrammarSpec:
-        return cls("json_schema", orjson.dumps(schema).decode(), allow_extra_keys)
+        text = orjson.dumps(_canonical(schema)).decode()
+        return cls("json_schema", text, allow_extra_keys)
 
     @classmethod
     def choice(cls, choices: list[str]) -> GrammarSpec:
@@ -56,6 +58,28 @@ class GrammarSpec:
         choices: list[str] = orjson.loads(self.source)
         # JSON string literals are Lark string literals (same escapes).
         return "start: " + " | ".join(orjson.dumps(c).decode() for c in choices)
+
+
+# Values taken as JSON data, not schemas: their key order is the data's.
+_LITERALS = ("const", "enum", "default", "examples")
+
+
+def _canonical(schema: Any) -> Any:
+    """Keywords sorted at every level, except the order of ``properties`` (and literals)."""
+    if isinstance(schema, list):
+        return [_canonical(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key in _LITERALS:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {name: _canonical(v) for name, v in value.items()}
+        else:
+            out[key] = _canonical(value)
+    return out
 
 
 # Keywords whose values are schemas (or maps/lists of schemas) that close_objects walks into.
