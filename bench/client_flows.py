@@ -91,12 +91,26 @@ def aiperf(a: argparse.Namespace) -> dict[str, Any]:
     if rc != 0 or not found:
         return {"ok": False, "detail": f"aiperf exited {rc} (see aiperf.log)"}
     report = json.loads(Path(found[0]).read_text())
-    ttft = report.get("time_to_first_token", {}).get("avg")
-    count = report.get("request_count", {}).get("avg")
-    errors = report.get("error_request_count", {}).get("avg", 0) or 0
+    ttft = (_find(report, "time_to_first_token") or {}).get("avg")
+    count = (_find(report, "request_count") or {}).get("avg")
+    errors = (_find(report, "error_request_count") or {}).get("avg", 0) or 0
     ok = errors == 0 and count == 32 and ttft is not None
     return {"ok": ok, "detail": f"{count} ok, {errors} errors, TTFT mean {ttft} ms",
             "errors": errors, "ttft_ms": ttft}  # fmt: skip
+
+
+def _find(obj: Any, key: str) -> Any:
+    """The first value named ``key`` anywhere in a JSON report (its nesting varies by version)."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        for item in obj:
+            found = _find(item, key)
+            if found is not None:
+                return found
+    return None
 
 
 def _pydantic_model() -> Any:
