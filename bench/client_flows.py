@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 NUM_SEEDS = 20  # instructor: tries per mode
 TIMEOUT_S = 900  # one CLI benchmark
@@ -157,8 +157,14 @@ def langchain(a: argparse.Namespace) -> dict[str, Any]:
     """with_structured_output (json_schema, function_calling), bind_tools, stream and batch."""
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
 
-    @tool
+    class AddArgs(BaseModel):
+        # Bounded: a random-weight model given an unbounded integer writes digits to max_tokens.
+        x: int = Field(ge=0, le=99)
+        y: int = Field(ge=0, le=99)
+
+    @tool(args_schema=AddArgs)
     def add(x: int, y: int) -> int:
         """Add two integers."""
         return x + y
@@ -176,6 +182,8 @@ def langchain(a: argparse.Namespace) -> dict[str, Any]:
             results[method] = False
     msg = llm.bind_tools([add], tool_choice="add").invoke("What is 2 plus 3?")
     results["bind_tools"] = bool(msg.tool_calls) and msg.tool_calls[0]["name"] == "add"
+    if not results["bind_tools"]:
+        print(f"langchain bind_tools: {msg!r}"[:600], file=sys.stderr)
     results["stream"] = len(list(llm.stream("Hi"))) > 1
     results["batch"] = len(llm.batch(["Hi", "Hello"])) == 2
     return {"ok": all(results.values()), "detail": ", ".join(
@@ -197,8 +205,10 @@ def agents(a: argparse.Namespace) -> dict[str, Any]:
     set_tracing_disabled(True)
     calls: list[str] = []
 
+    # A closed set of cities: a random-weight model given a free string may write it to
+    # max_tokens, and the truncated arguments fail the tool (a real model names the city).
     @function_tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
         """The weather in a city."""
         calls.append(city)
         return "sunny"

@@ -83,9 +83,9 @@ async def test_schema_keys_come_in_declared_order(url: str) -> None:
      "langchain-tools.json"],
 )  # fmt: skip
 async def test_client_schemas_hold_only_declared_keys(url: str, name: str) -> None:
-    # pydantic schemas never say additionalProperties: no undeclared key may open, on any seed.
+    # pydantic schemas never say additionalProperties (langchain's strict json_schema adds it):
+    # no undeclared key may open, on any seed.
     body = recorded(name)
-    assert "additionalProperties" not in json.dumps(body)
     for seed in range(3):
         status, out = await post(url, "/v1/chat/completions", {**body, "seed": seed, "n": 1})
         assert status == 200, out
