@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from pdserve.api import vllm_fields
@@ -86,8 +85,7 @@ def _is_empty(value: Any) -> bool:
     return value is None or value == [] or value == {} or value == ""
 
 
-# name -> (is the value harmless, what we say when it is not)
-Rule = tuple[Callable[[Any], bool], str]
+Rule = vllm_fields.Rule
 
 CHAT_CONDITIONAL: dict[str, Rule] = {
     "functions": (_is_empty, "the deprecated 'functions' field is not available; use 'tools'"),

@@ -9,14 +9,14 @@ lists both.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from pdserve.api.errors import bad_request
 from pdserve.api.validation import as_bool, as_int, as_str, is_int, optional
 
-if TYPE_CHECKING:
-    from pdserve.api.fields import Rule
-    from pdserve.api.options import RequestOptions
+# name -> (is the value harmless, what we say when it is not)
+Rule = tuple[Callable[[Any], bool], str]
 
 MAX_CACHE_SALT_LEN = 1024  # vLLM's bound
 
@@ -93,9 +93,10 @@ CHAT_CONDITIONAL: dict[str, Rule] = {
 
 
 def parse_vllm_options(
-    body: dict[str, Any], opts: RequestOptions, max_top_logprobs: int, is_chat: bool
+    body: dict[str, Any], opts: Any, max_top_logprobs: int, is_chat: bool
 ) -> None:
-    """Fill ``opts`` from the honoured vLLM fields of ``body``."""
+    """Fill ``opts`` (a :class:`~pdserve.api.options.RequestOptions`, typed loosely: options
+    imports this module) from the honoured vLLM fields of ``body``."""
     opts.skip_special_tokens = as_bool(
         optional(body, "skip_special_tokens", True), "skip_special_tokens"
     )
