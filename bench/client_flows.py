@@ -321,7 +321,7 @@ def lm_eval(a: argparse.Namespace) -> dict[str, Any]:
     gen_same = sum(g == r for g, r in zip(got["pdserve_gen"], ref["pdserve_gen"], strict=True))
     n = len(got["pdserve_gen"])
     ok = max_diff <= 1e-4 and gen_same == n
-    return {"ok": ok, "detail": f"loglikelihood max |diff| vs hf {max_diff:.2e} over {len(lls)}; "
+    return {"ok": ok, "detail": f"loglikelihood max abs diff vs hf {max_diff:.2e} over {len(lls)}; "
             f"generate_until {gen_same}/{n} equal", "max_ll_diff": max_diff}  # fmt: skip
 
 

@@ -138,7 +138,7 @@ def compare_lm_eval(work: Path) -> dict[str, Any]:
     num_equal = sum(c == p for c, p in pairs)
     diff = max(abs(float(c) - float(p)) for c, p in pairs)
     return {"ok": num_equal == len(pairs), "detail": f"{num_equal}/{len(pairs)} loglikelihoods "
-            f"equal, max |diff| {diff:.1e}"}  # fmt: skip
+            f"equal, max abs diff {diff:.1e}"}  # fmt: skip
 
 
 def format_matrix(results: dict[tuple[str, str], dict[str, Any]], targets: list[str]) -> str:
