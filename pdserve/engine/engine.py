@@ -244,8 +244,6 @@ class Engine:
         seq = req.seq
         seq.num_cached_tokens = seq.num_tokens
         self.prefix_cache.register(seq, req.page_keys)  # the prompt's full pages, for reuse
-        is_replayed = bool(req.replay)
-        first_token = req.replay.popleft() if is_replayed else first_token  # the same one
         seq.token_ids.append(first_token)
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
@@ -254,10 +252,7 @@ class Engine:
             if not self.steps.advance_grammar(req, first_token):
                 return
             seq.grammar.prefetch()
-        if is_replayed:
-            req.out_state.replay(first_token, req.resume)
-        else:
-            self.emit(req, [first_token], [logprob] if logprob is not None else None)
+        self.emit(req, [first_token], [logprob] if logprob is not None else None)
         if not req.is_finished:
             self.scheduler.add_running(req)
             self._wake.set()
@@ -379,6 +374,7 @@ class Engine:
         return {
             **self.count_by_state(),
             "num_requests": len(self._requests),
+            "waiting_prompt_tokens": self.scheduler.num_prompt_tokens_queued(),
             "free_pages": alloc.num_available,
             "total_pages": alloc.num_pages,
             "page_size": self.runner.kv_config.page_size,

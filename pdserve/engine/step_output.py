@@ -123,8 +123,6 @@ class StepOutputs:
                 req.prompt_logprobs = plp  # goes out with the first delta
             seq = req.seq
             seq.num_cached_tokens = seq.num_tokens
-            is_replayed = bool(req.replay)
-            tok = req.replay.popleft() if is_replayed else tok
             seq.token_ids.append(tok)
             if seq.grammar is not None and not self.advance_grammar(req, tok):
                 continue
@@ -139,9 +137,7 @@ class StepOutputs:
             if seq.grammar is not None:
                 constrained.append(req)
             lps = [lp] if lp is not None else None
-            if is_replayed:
-                req.out_state.replay(tok, req.resume)
-            elif req.out_state.is_final(tok):
+            if req.out_state.is_final(tok):
                 self.hooks.emit(req, [tok], lps)
             else:
                 deferred.append((req, tok, lps))
