@@ -41,6 +41,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_registration_args(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-body-kb", type=int, default=4096, help="larger request bodies get 413")
+    p.add_argument(
+        "--json-schema-extra-keys", action="store_true",
+        help="JSON schemas that say nothing of additionalProperties allow undeclared keys (JSON "
+        "Schema's reading); by default they do not, as in vLLM (xgrammar's strict mode)",
+    )  # fmt: skip
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")
     p.add_argument(
