@@ -24,7 +24,8 @@ from pdserve.device import (
 )
 from pdserve.envs import child_env
 from pdserve.lifetime import parent_death_preexec
-from pdserve.model.config import ModelConfig, ModelDirError
+from pdserve.model.checkpoint import load_model_config
+from pdserve.model.config import ModelDirError
 
 
 @dataclass(frozen=True)
@@ -285,7 +286,7 @@ def handle_stop_signals() -> None:
 def main(argv: list[str]) -> int:
     cfg = cluster_config_from_args(parse_args(argv))
     try:  # refuse a model the workers cannot serve before starting any of them
-        ModelConfig.from_dir(cfg.model_dir)
+        load_model_config(cfg.model_dir)
     except ModelDirError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2

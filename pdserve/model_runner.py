@@ -41,13 +41,17 @@ from pdserve.kv_sizing import (
     measure_kv_sizing,
     warm_up_sequences,
 )
+from pdserve.model.checkpoint import (
+    declared_dtype,
+    load_model_config,
+    load_model_weights,
+    load_tokenizer,
+)
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtype import resolve_dtype
 from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
 from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel
-from pdserve.model.loader import load_weights, stored_dtype
-from pdserve.model.tokenizer import Tokenizer
 from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import (
@@ -132,16 +136,16 @@ class ModelRunner:
         self.device = check_device(config.device, "RunnerConfig.device")
         if config.num_threads and is_cpu(self.device):
             torch.set_num_threads(config.num_threads)
-        self.model_config = ModelConfig.from_dir(config.model_dir)
-        declared = self.model_config.checkpoint_dtype or stored_dtype(config.model_dir)
+        self.model_config = load_model_config(config.model_dir)
+        declared = declared_dtype(config.model_dir, self.model_config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, declared)
-        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        self.tokenizer = load_tokenizer(config.model_dir)
         mc = self.model_config
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.
         memory = self._memory_to_size_from()
         self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
-        weights = load_weights(config.model_dir, mc, self.dtype, str(self.device))
+        weights = load_model_weights(config.model_dir, mc, self.dtype, str(self.device))
         self.model = LlamaModel(
             mc, weights, self.max_model_len, self.dtype, str(self.device), self._fp32_min_rows()
         )

@@ -11,6 +11,10 @@ converts the weights per row. Two paths replace it:
   GEMM is ~1.7-2x faster).
 
 Results are cast back, so callers only ever see the model dtype.
+
+GGUF block-quantized weights (:class:`~pdserve.model.quantized.QuantizedTensor`, or a fused
+projection's parts in different types) are dequantized once here, to ``dtype``, and then take
+the dense paths; the dense copy counts in ``num_extra_bytes``.
 """
 
 from __future__ import annotations
@@ -19,21 +23,28 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import cpu_ext, cpu_gemm
+from pdserve.model.quantized import QuantizedTensor
 
 
 class Linear:
     """``y = x @ weight.T + bias``, routed by row count (see the module docstring).
 
     ``use_kernel``: pack the weight for the bf16 CPU kernel where it runs (bf16 on AVX2 CPUs).
+    ``dtype``: what quantized weights dequantize to (the model dtype).
     """
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | QuantizedTensor | list[torch.Tensor | QuantizedTensor],
         bias: torch.Tensor | None = None,
         fp32_min_rows: int | None = None,
         use_kernel: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        self.num_dequantized_bytes = 0
+        if not isinstance(weight, torch.Tensor):
+            weight = dequantized(weight, dtype)
+            self.num_dequantized_bytes = weight.numel() * weight.element_size()
         self.weight = weight
         self.bias = bias
         self.fp32_min_rows = fp32_min_rows
@@ -68,7 +79,17 @@ class Linear:
         """Memory held by the packed and float32 copies (0 without them)."""
         tensors = [t for t in (self.weight_f32, self.bias_f32) if t is not None]
         packed = self.kernel.num_bytes if self.kernel is not None else 0
-        return packed + sum(t.numel() * t.element_size() for t in tensors)
+        extra = packed + self.num_dequantized_bytes
+        return extra + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def dequantized(
+    weight: QuantizedTensor | list[torch.Tensor | QuantizedTensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """A dense ``dtype`` copy of a quantized weight (or of a fused one's parts, row-stacked)."""
+    parts = weight if isinstance(weight, list) else [weight]
+    dense = [p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p.to(dtype) for p in parts]
+    return torch.cat(dense, dim=0) if len(dense) > 1 else dense[0]
 
 
 # Row counts from which float32 (oneDNN) beats the bf16 alternatives, on the 2-core AVX2 EPYC,

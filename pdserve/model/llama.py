@@ -31,13 +31,13 @@ from pdserve.model.weights import LayerWeights, ModelWeights
 class _Layer:
     """A layer's weights as callables (the projections choose their matmul path)."""
 
-    def __init__(self, w: LayerWeights, fp32_min_rows: int | None) -> None:
+    def __init__(self, w: LayerWeights, fp32_min_rows: int | None, dtype: torch.dtype) -> None:
         self.input_norm, self.post_norm = w.input_norm, w.post_norm
         self.q_norm, self.k_norm = w.q_norm, w.k_norm
-        self.qkv = Linear(w.qkv, w.qkv_bias, fp32_min_rows)
-        self.o_proj = Linear(w.o_proj, w.o_bias, fp32_min_rows)
-        self.gate_up = Linear(w.gate_up, w.gate_up_bias, fp32_min_rows)
-        self.down = Linear(w.down, w.down_bias, fp32_min_rows)
+        self.qkv = Linear(w.qkv, w.qkv_bias, fp32_min_rows, dtype=dtype)
+        self.o_proj = Linear(w.o_proj, w.o_bias, fp32_min_rows, dtype=dtype)
+        self.gate_up = Linear(w.gate_up, w.gate_up_bias, fp32_min_rows, dtype=dtype)
+        self.down = Linear(w.down, w.down_bias, fp32_min_rows, dtype=dtype)
 
 
 class LlamaModel:
@@ -59,15 +59,15 @@ class LlamaModel:
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self.layers = [_Layer(w, fp32_min_rows) for w in weights.layers]
-        self.lm_head = Linear(weights.lm_head, None, fp32_min_rows)
+        self.layers = [_Layer(w, fp32_min_rows, dtype) for w in weights.layers]
+        self.lm_head = Linear(weights.lm_head, None, fp32_min_rows, dtype=dtype)
         self.cos, self.sin = rope_tables(
             max_positions, config.head_dim, config.rope_theta, config.rope_scaling, dtype, device
         )
 
     @property
     def num_extra_bytes(self) -> int:
-        """Memory of the float32 weight copies, if any."""
+        """Memory of the float32 weight copies and dequantized weights, if any."""
         linears = [self.lm_head] + [
             p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
         ]
