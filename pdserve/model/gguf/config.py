@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from pdserve.model.config import ModelConfig, ModelDirError, RopeScaling
 from pdserve.model.gguf.file import GGUFFile
 
@@ -45,7 +47,7 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         num_kv_heads=int(f.arch_value("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         intermediate_size=int(f.arch_value("feed_forward_length")),
-        rms_norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=_decimal(f.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(f.arch_value("context_length", 2048)),
@@ -79,7 +81,7 @@ def stop_token_ids(f: GGUFFile) -> set[int]:
 
 
 def _rope(f: GGUFFile, head_dim: int) -> tuple[float, RopeScaling | None]:
-    theta = float(f.arch_value("rope.freq_base", 10000.0))
+    theta = _decimal(f.arch_value("rope.freq_base", 10000.0))
     rope_dims = int(f.arch_value("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ModelDirError(f"{f.path.name}: partial rope ({rope_dims} of {head_dim}) unsupported")
@@ -96,6 +98,12 @@ def _rope(f: GGUFFile, head_dim: int) -> tuple[float, RopeScaling | None]:
         raise ModelDirError(f"{f.path.name}: unsupported rope scaling {kind!r} (none, linear)")
     factor = float(f.arch_value("rope.scaling.factor", 1.0))
     return theta, RopeScaling(rope_type="linear", factor=factor)
+
+
+def _decimal(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06),
+    so a GGUF checkpoint's config equals its Hugging Face original's."""
+    return float(str(np.float32(value)))
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -46,7 +46,7 @@ def _gguf_name(name: str) -> str:
     return f"blk.{index}.{_LAYER_NAMES[rest]}"
 
 
-def _add_tokenizer(writer: GGUFWriter, hf_dir: Path, eos_ids: list[int]) -> None:
+def _add_tokenizer(writer: GGUFWriter, hf_dir: Path, eos_ids: list[int | None]) -> None:
     tok = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
     tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     vocab: dict[str, int] = dict(tok["model"]["vocab"])
@@ -71,6 +71,7 @@ def _add_tokenizer(writer: GGUFWriter, hf_dir: Path, eos_ids: list[int]) -> None
         writer.add_bos_token_id(vocab[bos])
         # A post-processor prepending BOS is what llama.cpp's add_bos_token means.
         writer.add_add_bos_token(bos in json.dumps(tok.get("post_processor") or {}))
+    eos_ids = [i for i in eos_ids if i is not None] or [vocab[tok_cfg["eos_token"]]]
     writer.add_eos_token_id(eos_ids[0])
     if len(eos_ids) > 1:
         writer.add_eot_token_id(eos_ids[1])
@@ -105,7 +106,7 @@ def write_gguf(
     writer.add_rope_freq_base(float(hf.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(hf["rms_norm_eps"]))
     writer.add_vocab_size(hf["vocab_size"])
-    eos = hf["eos_token_id"]
+    eos = hf.get("eos_token_id")
     gen = hf_dir / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id", eos)
