@@ -10,8 +10,8 @@ import torch
 from pdserve.model.quantized import QuantizedTensor
 
 # A projection's weight: dense, GGUF block-quantized, or (a fused projection whose parts are
-# stored in different types) its parts in row order.
-Projection: TypeAlias = "torch.Tensor | QuantizedTensor | list[torch.Tensor | QuantizedTensor]"
+# stored in different types) its quantized parts in row order.
+Projection: TypeAlias = "torch.Tensor | QuantizedTensor | list[QuantizedTensor]"
 
 
 def projection_parts(weight: Projection) -> list[torch.Tensor | QuantizedTensor]:

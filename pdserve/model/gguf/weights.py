@@ -85,15 +85,16 @@ class _GGUFTensors:
         data = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
         return QuantizedTensor(t.tensor_type.name, (shape[0], shape[1]), data)
 
-    def fused(self, parts: list[Projection]) -> Projection:
+    def fused(self, parts: list[Matrix]) -> Projection:
         """Row-stacked parts (QKV, gate/up): one dense or quantized matrix where they share a
-        storage type, else the list of parts (the matmul runs each)."""
+        storage type, else the list of quantized parts (the matmul runs each); a dense part
+        beside quantized ones becomes an F32 "quantized" part (exact for F16/BF16/F32)."""
         if all(isinstance(p, torch.Tensor) for p in parts):
             return torch.cat(parts, dim=0)  # type: ignore[arg-type]
-        types = {p.type_name if isinstance(p, QuantizedTensor) else None for p in parts}
-        if len(types) == 1:
-            return QuantizedTensor.cat_rows(parts)  # type: ignore[arg-type]
-        return list(parts)  # type: ignore[arg-type]
+        quantized = [p if isinstance(p, QuantizedTensor) else _as_f32_part(p) for p in parts]
+        if len({p.type_name for p in quantized}) == 1:
+            return QuantizedTensor.cat_rows(quantized)
+        return quantized
 
 
 def _layer(src: _GGUFTensors, cfg: ModelConfig, i: int, is_llama: bool) -> LayerWeights:
@@ -127,6 +128,11 @@ def _layer(src: _GGUFTensors, cfg: ModelConfig, i: int, is_llama: bool) -> Layer
         layer.q_norm = src.dense(f"{p}attn_q_norm.weight", (d,))
         layer.k_norm = src.dense(f"{p}attn_k_norm.weight", (d,))
     return layer
+
+
+def _as_f32_part(dense: torch.Tensor) -> QuantizedTensor:
+    rows = np.ascontiguousarray(dense.float().cpu().numpy()).view(np.uint8)  # (N, 4K)
+    return QuantizedTensor("F32", (dense.shape[0], dense.shape[1]), rows)
 
 
 def _take_rows(w: Matrix, index: np.ndarray) -> Matrix:
