@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 MODULE_NAME = "pdserve_cpu_ext"
 SOURCE_DIR = Path(__file__).parent / "csrc"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0  # a few translation units of ~1 min each on 2 busy cores
 

@@ -12,38 +12,52 @@ converts the weights per row. Two paths replace it:
 
 Results are cast back, so callers only ever see the model dtype.
 
-GGUF block-quantized weights (:class:`~pdserve.model.quantized.QuantizedTensor`, or a fused
-projection's parts in different types) are dequantized once here, to ``dtype``, and then take
-the dense paths; the dense copy counts in ``num_extra_bytes``.
+GGUF-quantized weights (a :class:`~pdserve.model.quantized.QuantizedTensor`, or a list of them
+stacked along N) stay packed for :mod:`pdserve.kernels.quant_gemm` (float32 in and out, cast
+back) where the C++ module runs; elsewhere they are dequantized once, to ``dtype`` (the model's),
+and that dense copy counts in ``num_extra_bytes``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ext, cpu_gemm
+from pdserve.kernels import cpu_ext, cpu_gemm, quant_gemm
 from pdserve.model.quantized import QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 
 class Linear:
     """``y = x @ weight.T + bias``, routed by row count (see the module docstring).
 
     ``use_kernel``: pack the weight for the bf16 CPU kernel where it runs (bf16 on AVX2 CPUs).
-    ``dtype``: what quantized weights dequantize to (the model dtype).
     """
 
     def __init__(
         self,
-        weight: torch.Tensor | QuantizedTensor | list[torch.Tensor | QuantizedTensor],
+        weight: torch.Tensor | QuantizedTensor | list[QuantizedTensor],
         bias: torch.Tensor | None = None,
         fp32_min_rows: int | None = None,
         use_kernel: bool = True,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        self.quant: quant_gemm.PackedQuantWeight | None = None
         self.num_dequantized_bytes = 0
-        if not isinstance(weight, torch.Tensor):
-            weight = dequantized(weight, dtype)
+        if isinstance(weight, (QuantizedTensor, list)):
+            parts = [weight] if isinstance(weight, QuantizedTensor) else weight
+            self.quant = quant_gemm.pack_parts(parts) if use_kernel else None
+            if self.quant is not None:  # no dense weight is kept
+                self.bias = bias.float() if bias is not None else None
+                self.fp32_min_rows, self.weight_f32, self.bias_f32 = None, None, None
+                self.kernel, self.is_packed = None, False
+                return
+            _log_dequantized_once(dtype)
+            weight = torch.cat([p.dequantize(dtype) for p in parts])
             self.num_dequantized_bytes = weight.numel() * weight.element_size()
         self.weight = weight
         self.bias = bias
@@ -60,6 +74,8 @@ class Linear:
                 self.is_packed = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x.float(), self.bias).to(x.dtype)
         rows = x.shape[0]
         if self.weight_f32 is not None and rows >= self.fp32_min_rows:  # type: ignore[operator]
             return self._linear_f32(x.float()).to(x.dtype)
@@ -78,18 +94,19 @@ class Linear:
     def num_extra_bytes(self) -> int:
         """Memory held by the packed and float32 copies (0 without them)."""
         tensors = [t for t in (self.weight_f32, self.bias_f32) if t is not None]
+        if self.quant is not None:  # the packed weight replaces the dense one
+            return self.quant.num_bytes
         packed = self.kernel.num_bytes if self.kernel is not None else 0
         extra = packed + self.num_dequantized_bytes
         return extra + sum(t.numel() * t.element_size() for t in tensors)
 
 
-def dequantized(
-    weight: QuantizedTensor | list[torch.Tensor | QuantizedTensor], dtype: torch.dtype
-) -> torch.Tensor:
-    """A dense ``dtype`` copy of a quantized weight (or of a fused one's parts, row-stacked)."""
-    parts = weight if isinstance(weight, list) else [weight]
-    dense = [p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p.to(dtype) for p in parts]
-    return torch.cat(dense, dim=0) if len(dense) > 1 else dense[0]
+@functools.cache
+def _log_dequantized_once(dtype: torch.dtype) -> None:
+    logger.warning(
+        "quantized CPU matmul not used here (it needs AVX2 and a C++ compiler): "
+        "GGUF weights are dequantized to %s at load", dtype,
+    )  # fmt: skip
 
 
 # Row counts from which float32 (oneDNN) beats the bf16 alternatives, on the 2-core AVX2 EPYC,

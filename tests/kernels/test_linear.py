@@ -77,3 +77,38 @@ def test_float32_switch_depends_on_whether_the_kernel_runs(monkeypatch: pytest.M
     assert linear.FP32_MIN_ROWS_VS_TORCH_BF16 < linear.FP32_MIN_ROWS_VS_KERNEL
     # A decode-only worker with the kernel: no copies (its batches stay below the switch).
     assert linear.auto_fp32_min_rows(cpu, torch.bfloat16, prefills_prompts=False) is None
+
+
+def _q8_parts() -> list:
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pdserve.model.quantized import QuantizedTensor
+
+    rng = np.random.default_rng(0)
+    parts = []
+    for n in (24, 8):
+        dense = rng.standard_normal((n, 64)).astype(np.float32)
+        data = quantize(dense, GGMLQuantizationType.Q8_0).view(np.uint8).reshape(n, -1)
+        parts.append(QuantizedTensor("Q8_0", (n, 64), np.ascontiguousarray(data)))
+    return parts
+
+
+@pytest.mark.skipif(cpu_ext.load() is None, reason="kernel needs AVX2 and a C++ compiler")
+def test_quantized_parts_stay_packed_and_keep_the_input_dtype() -> None:
+    parts = _q8_parts()
+    bias = torch.randn(32)
+    lin = Linear(parts, bias, fp32_min_rows=4)
+    assert lin.quant is not None and lin.num_extra_bytes == lin.quant.num_bytes
+    x = torch.randn(3, 64)
+    dense = torch.cat([p.dequantize() for p in parts])
+    torch.testing.assert_close(lin(x), F.linear(x, dense, bias), atol=1e-4, rtol=1e-5)
+    assert lin(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_quantized_weight_without_the_kernel_is_dequantized_to_bf16() -> None:
+    parts = _q8_parts()
+    lin = Linear(parts, None, use_kernel=False)
+    assert lin.quant is None
+    assert torch.equal(lin.weight, torch.cat([p.dequantize(torch.bfloat16) for p in parts]))

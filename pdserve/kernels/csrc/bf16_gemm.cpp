@@ -195,12 +195,14 @@ void run(const std::vector<RowGroup>& groups, int64_t K, const uint16_t* wp, int
   });
 }
 
-// An uninitialised bf16 tensor in memory of its own, 2 MiB aligned and advised to be backed by
+}  // namespace
+
+// An uninitialised tensor in memory of its own, 2 MiB aligned and advised to be backed by
 // transparent huge pages (a hint: the kernel falls back to 4 KiB pages). Plain torch memory
 // when mmap fails.
 at::Tensor empty_in_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options) {
   constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes = c10::multiply_integers(sizes) * sizeof(uint16_t);
+  const size_t bytes = c10::multiply_integers(sizes) * options.dtype().itemsize();
   const size_t kept = (bytes + kHuge - 1) / kHuge * kHuge, mapped = kept + kHuge;
   void* raw = bytes == 0 ? MAP_FAILED
                          : mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
@@ -214,8 +216,6 @@ at::Tensor empty_in_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& o
   madvise(start, kept, MADV_HUGEPAGE);
   return at::from_blob(start, sizes, [kept](void* p) { munmap(p, kept); }, options);
 }
-
-}  // namespace
 
 // (N, K) bf16 -> (ceil(N/16), K, 16) bf16, zero-padded columns, each row of 16 interleaved as
 // (0, 8, 1, 9, ..., 7, 15).
