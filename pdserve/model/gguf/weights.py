@@ -82,7 +82,8 @@ class _GGUFTensors:
         return packed.dequantize(torch.float32).to(dtype=self.dtype, device=self.device)
 
     def _packed(self, t, shape: tuple[int, ...]) -> QuantizedTensor:  # noqa: ANN001
-        data = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
+        # A copy: the reader's arrays are read-only views of the mapped file.
+        data = np.array(t.data, dtype=np.uint8).reshape(shape[0], -1)
         return QuantizedTensor(t.tensor_type.name, (shape[0], shape[1]), data)
 
     def fused(self, parts: list[Matrix]) -> Projection:
