@@ -163,13 +163,20 @@ class ModelRunner:
             )
             self.graph_runner.capture()
         logger.info(
-            "runner ready: %s, %s on %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d, "
-            "%s attention, %s decode",
-            mc.architecture, self.dtype, self.device, self.kv_config.num_pages,
+            "runner ready: %s, %s on %s, weights %.1f MiB, %d KV pages x %d tokens (%.1f MiB), "
+            "max_model_len %d, %s attention, %s decode",
+            mc.architecture, self.dtype, self.device, self.weights_bytes / 2**20,
+            self.kv_config.num_pages,
             self.kv_config.page_size,
             self.kv_config.num_pages * self.kv_config.page_bytes / 2**20, self.max_model_len,
             self.attn_backend.name, "graph" if self.graph_runner else "eager",
         )  # fmt: skip
+
+    @property
+    def weights_bytes(self) -> int:
+        """Memory the weights hold: quantized ones at their packed size, plus the matmuls'
+        packed, float32 or dequantized copies."""
+        return self.model.weights.num_bytes + self.model.num_extra_bytes
 
     def _build_pool(self) -> None:
         """The page pool of ``kv_config`` and the attention backend over it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
+from pdserve.model.checkpoint import declared_dtype, load_model_config
 from pdserve.model.gguf.weights import unpermute_rows
 from pdserve.model.quantized import QuantizedTensor
 from pdserve.model_runner import ModelRunner, RunnerConfig
@@ -32,8 +34,9 @@ def _reference(path: Path) -> Any:
     return model.eval()
 
 
-def _runner(path: Path, dtype: str = "float32") -> ModelRunner:
-    return ModelRunner(RunnerConfig(str(path), dtype=dtype, page_size=PAGE_SIZE, num_pages=64))
+def _runner(path: Path, dtype: str = "float32", device: str = "cpu") -> ModelRunner:
+    config = RunnerConfig(str(path), dtype=dtype, page_size=PAGE_SIZE, num_pages=64, device=device)
+    return ModelRunner(config)
 
 
 def _greedy_logits(runner: ModelRunner, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -46,11 +49,12 @@ def _greedy_logits(runner: ModelRunner, prompt: list[int]) -> tuple[torch.Tensor
     return torch.stack(steps), seq.token_ids
 
 
-def _assert_logits_match(path: Path) -> ModelRunner:
-    runner = _runner(path)
+def _assert_logits_match(path: Path, device: str = "cpu") -> ModelRunner:
+    runner = _runner(path, device=device)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (19,), generator=torch.Generator().manual_seed(0)).tolist()
     ours, tokens = _greedy_logits(runner, prompt)
+    ours = ours.cpu()
     with torch.no_grad():
         ref = _reference(path)(torch.tensor([tokens])).logits[0, len(prompt) - 1 :]
     torch.testing.assert_close(ours, ref[: NUM_DECODE_STEPS + 1], atol=2e-4, rtol=1e-4)
@@ -110,14 +114,36 @@ def test_quantized_projections_stay_packed_and_count_their_packed_bytes(
     )  # the F16 part is held as float32: twice its file size
     embed = weights.embed.numel() * weights.embed.element_size()  # the lookup table is dense
     assert weights.num_bytes == file_bytes + embed
+    assert runner.weights_bytes == weights.num_bytes + runner.model.num_extra_bytes
+    # Packed 4-bit projections take well under a float32 copy's memory.
+    dense = _runner(demo_gguf(demo_dir, tmp_path / "f32", "F32"))
+    assert runner.model.weights.num_bytes < 0.6 * dense.model.weights.num_bytes
 
 
 def test_a_quantized_gguf_runs_in_float32_on_cpu_and_a_dense_one_in_its_own_dtype(
     demo_dir: Path, demo_f32_gguf: Path, tmp_path: Path
 ) -> None:
-    assert _runner(demo_gguf(demo_dir, tmp_path, "Q8_0"), "auto").dtype == torch.float32
+    quantized = demo_gguf(demo_dir, tmp_path, "Q8_0")
+    assert _runner(quantized, "auto").dtype == torch.float32
+    # On CUDA the weights are dequantized at load, to bf16.
+    config = load_model_config(quantized)
+    assert declared_dtype(quantized, config, torch.device("cuda")) == "bfloat16"
     assert _runner(demo_gguf(demo_dir, tmp_path, "BF16"), "auto").dtype == torch.bfloat16
     assert _runner(demo_f32_gguf, "auto").dtype == torch.float32
+
+
+def test_quantized_weights_are_dequantized_at_load_on_cuda(
+    device: str, demo_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    if device == "cpu":
+        pytest.skip("CUDA's load path (CPUs keep the weights packed: tested above)")
+    path = demo_gguf(demo_dir, tmp_path, "Q4_1", tie=True)
+    with caplog.at_level(logging.INFO, logger="pdserve.model.gguf.weights"):
+        runner = _assert_logits_match(path, device)
+    layer = runner.model.weights.layers[0]
+    assert isinstance(layer.qkv, torch.Tensor) and layer.qkv.device.type == "cuda"
+    assert runner.model.weights.lm_head is runner.model.weights.embed
+    assert "quantized matrices dequantized to torch.float32 at load" in caplog.text
 
 
 def test_unpermute_rows_undoes_llama_cpp_s_rotary_row_order() -> None:
