@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.model.checkpoint import load_tokenizer
 from pdserve.model.tokenizer import Tokenizer
+from tests.model.gguf.writer import write_sentencepiece_vocab_gguf
 
 TEXTS = [
     "Hello, world!",
@@ -92,3 +93,23 @@ def test_smollm2_tokenizer_splits_digits_and_renders_its_chatml_template(
         "Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
     assert tok.encode(prompt, add_special_tokens=False)[:2] == [1, 9690]  # <|im_start|> system
+
+
+def test_sentencepiece_vocabulary_matches_transformers_gguf_tokenizer(tmp_path: Path) -> None:
+    """``tokenizer.ggml.model`` "llama" (Llama 2 / Mistral): byte fallback, merges recovered
+    from the scores, a prefix space added."""
+    from transformers import AutoTokenizer
+
+    corpus = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+    path = write_sentencepiece_vocab_gguf(tmp_path / "spm.gguf", corpus)
+    ours = load_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        if not text.startswith(" "):  # sentencepiece decoding drops one leading space
+            plain = ours.encode(text, add_special_tokens=False)
+            assert ours.decode(plain, skip_special_tokens=False) == text
+    assert ours.encode("Hi")[0] == 1  # BOS, as llama.cpp adds to sentencepiece vocabularies
+    assert any(ours.backend.id_to_token(i).startswith("<0x") for i in ours.encode("東京"))

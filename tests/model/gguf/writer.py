@@ -141,3 +141,41 @@ def _encode(data: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     if kind == GGMLQuantizationType.F16:
         return data.astype(np.float16)
     return quantize(data, kind)
+
+
+def write_sentencepiece_vocab_gguf(out: Path, text: str, vocab_size: int = 800) -> Path:
+    """A GGUF holding only a Llama-2-style sentencepiece vocabulary (``tokenizer.ggml.model``
+    "llama": byte-fallback tokens, scores instead of merges), trained with ``tokenizers`` on
+    ``text``: each merged piece scores minus its merge rank, as sentencepiece BPE models do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    specials = ["<unk>", "<s>", "</s>", *byte_tokens]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False, special_tokens=specials
+    )
+    tok.train_from_iterator([text], trainer)
+    model = json.loads(tok.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    rank = {"".join(m if isinstance(m, list) else m.split(" ")): i
+            for i, m in enumerate(model["merges"])}  # fmt: skip
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    kinds = {"<unk>": TokenType.UNKNOWN, "<s>": TokenType.CONTROL, "</s>": TokenType.CONTROL}
+    kinds |= dict.fromkeys(byte_tokens, TokenType.BYTE)
+    writer = GGUFWriter(str(out), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(rank.get(t, len(rank))) for t in tokens])
+    writer.add_token_types([kinds.get(t, TokenType.NORMAL) for t in tokens])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
