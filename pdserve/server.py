@@ -46,7 +46,7 @@ from pdserve.identity import advertise_host, http_url
 from pdserve.metrics import EngineCollector, PrometheusObserver, TransferMetrics
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.registration import Registration, RegistrationConfig
-from pdserve.router.registration import RegistrationMsg
+from pdserve.registration_msg import RegistrationMsg
 from pdserve.sampling_params import SamplingParams
 from pdserve.transport import KVReceiver, KVSender, TransportConfig
 from pdserve.transport.layout import layout_fingerprint, layout_of, model_fingerprint

@@ -54,10 +54,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return gguf_tokenizer(f)
 
 
-# What ``--dtype auto`` runs a block-quantized GGUF in. On CPUs float32, as the quantized
-# kernels compute (bf16 activations cost the 4-bit SmolLM2 its answers: "What is the capital of
-# France?" -> "L'Étoile, la Marseillaise..." in bf16, "The capital of France is Paris." in
-# float32, as transformers' float32 reference); on CUDA the weights are dequantized to bf16.
+# What ``--dtype auto`` keeps a block-quantized GGUF's dense weights in (the embedding table,
+# dequantized; the norms, F32 in the files). On CPUs float32, which holds every dequantized
+# value exactly (activations are float32 there anyway); on CUDA the quantized weights are
+# dequantized to bf16 at load.
 QUANTIZED_CPU_DTYPE, QUANTIZED_CUDA_DTYPE = "float32", "bfloat16"
 
 

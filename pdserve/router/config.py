@@ -3,32 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+
+# The worker-side contract lives below the router; re-exported for the router's modules.
+from pdserve.registration_msg import WORKER_ROLES as WORKER_ROLES
+from pdserve.registration_msg import normalize_worker_url as normalize_worker_url
 
 POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
-WORKER_ROLES = ("prefill", "decode", "colocated")
-
-
-def normalize_worker_url(url: str) -> str:
-    """Canonical form of a worker base URL (``http://host:port``, no trailing slash).
-
-    Raises ``ValueError`` for anything that is not a plain http(s) URL with a host and a port,
-    because the router derives the prefill bootstrap host from it.
-    """
-    if not isinstance(url, str) or not url:
-        raise ValueError("worker url must be a non-empty string")
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"worker url must look like http://host:port, got {url!r}")
-    try:
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"worker url has an invalid port: {url!r}") from exc
-    if port is None:
-        raise ValueError(f"worker url needs an explicit port: {url!r}")
-    if parts.query or parts.fragment or parts.path not in ("", "/"):
-        raise ValueError(f"worker url must be a base URL without path or query: {url!r}")
-    return f"{parts.scheme}://{parts.netloc}"
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from pdserve.registration_msg import DeregistrationMsg, RegistrationMsg
 from pdserve.router.errors import error_response
-from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
 from pdserve.router.workers import HealthChecker, WorkerManager
 
 

@@ -19,11 +19,11 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
+from pdserve.registration_msg import DeregistrationMsg, RegistrationMsg
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.compat import Identity, incompatible
 from pdserve.router.config import WORKER_ROLES, RouterConfig, normalize_worker_url
 from pdserve.router.load import WorkerLoad, load_score
-from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
 
 logger = logging.getLogger(__name__)
 

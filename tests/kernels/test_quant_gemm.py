@@ -15,7 +15,7 @@ from pdserve.model.quantized import QuantizedTensor
 module = cpu_ext.load()
 pytestmark = pytest.mark.skipif(module is None, reason="kernel needs AVX2 and a C++ compiler")
 
-QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 ALL_TYPES = [*QUANTIZED, "F16", "BF16", "F32"]
 # Byte offsets of the f16 super-block scales in K-quant blocks (d, and dmin where there is one).
 K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}

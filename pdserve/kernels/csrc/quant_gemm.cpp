@@ -2,22 +2,23 @@
 //
 // One reduction order per output element, whatever the batch: y[m, n] = bias[n] + the fma
 // chain acc = fma(w[k, n], x[m, k], acc) over k = 0..K-1 in order, with w[k, n] dequantized by
-// unpack_record (one formula per type). Row counts, row grouping and thread counts only change
+// for_each_k (one formula per type). Row counts, row grouping and thread counts only change
 // which thread computes an element and when, never its arithmetic, so a token's result does not
 // depend on its batch mates. Activations stay float32 (not requantized to 8 bits as llama.cpp
 // does).
 //
 // Two ways through a panel, chosen by the number of row groups (groups of at most 6 rows, as
 // in bf16_gemm.cpp), with identical arithmetic:
-// - streaming (decode, at most 2 groups): for each group, each record is unpacked into a small
-//   float32 buffer that stays in L1 and consumed at once; the packed bytes stream from memory
-//   once per call (a second group re-reads the panel from cache), prefetched a record ahead;
+// - streaming (decode, at most 2 groups): for each group, each record is dequantized in
+//   registers and used at once; the packed bytes stream from memory once per call (a second
+//   group re-reads the panel from cache), prefetched a record ahead;
 // - panel (prefill): the whole panel is unpacked once into a per-thread float32 buffer
 //   (K x 16, in L2) and every group runs over it, so unpacking is amortised over the rows.
 // Threads take chunks of panels from a shared counter (see bf16_gemm.cpp's run() for why).
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_layout.h"
@@ -30,52 +31,76 @@ using namespace quant;
 constexpr int64_t kMaxRows = 6;          // rows per group (12 accumulators + 2 weights + 1 input)
 constexpr int64_t kMaxStreamGroups = 2;  // up to 12 rows: stream the packed panel per group
 
-// A weight source yields w[k0 .. k0 + block_k) x 16 as float32 for the block starting at k0.
-// MR rows times one panel; `x` is the group's inputs, (K, MR). Accumulators are named
-// variables (GCC spills arrays of vectors).
-template <int MR, typename Source>
-inline void panel_rows(const float* x, int64_t K, int64_t block_k, Source&& weights,
-                       const float* bias16, float* y, int64_t ldy, int64_t n) {
-  static_assert(MR >= 1 && MR <= kMaxRows);
-  const __m256 z = _mm256_setzero_ps();
-  __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z;
-  __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
-  for (int64_t k0 = 0; k0 < K; k0 += block_k) {
-    const float* w = weights(k0);
-    const float* xk = x + k0 * MR;
-    for (int64_t k = 0; k < block_k; ++k) {
-      const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
-#define PD_ROW(i)                                              \
-      if constexpr (MR > i) {                                  \
-        const __m256 xv = _mm256_broadcast_ss(xk + k * MR + i); \
-        c##i##0 = _mm256_fmadd_ps(w0, xv, c##i##0);            \
-        c##i##1 = _mm256_fmadd_ps(w1, xv, c##i##1);            \
-      }
-      PD_ROW(0) PD_ROW(1) PD_ROW(2) PD_ROW(3) PD_ROW(4) PD_ROW(5)
-#undef PD_ROW
-    }
+// Both paths below update MR rows' accumulators (named variables: GCC spills arrays of
+// vectors) with one k's 16 weights w0, w1 and that k's inputs xk (MR floats) the same way.
+#define PD_ROW(xk, i)                                      \
+  if constexpr (MR > i) {                                  \
+    const __m256 xv = _mm256_broadcast_ss((xk) + i);       \
+    c##i##0 = _mm256_fmadd_ps(w0, xv, c##i##0);            \
+    c##i##1 = _mm256_fmadd_ps(w1, xv, c##i##1);            \
   }
-  alignas(32) float tmp[kPanel];
-#define PD_FINISH(i)                                                              \
+#define PD_ROWS(xk) \
+  PD_ROW(xk, 0) PD_ROW(xk, 1) PD_ROW(xk, 2) PD_ROW(xk, 3) PD_ROW(xk, 4) PD_ROW(xk, 5)
+#define PD_ACCUMULATORS                                    \
+  const __m256 z = _mm256_setzero_ps();                    \
+  __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z; \
+  __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+#define PD_STORE(i)                                                               \
   if constexpr (MR > i) {                                                         \
     _mm256_store_ps(tmp, _mm256_add_ps(c##i##0, _mm256_load_ps(bias16)));         \
     _mm256_store_ps(tmp + 8, _mm256_add_ps(c##i##1, _mm256_load_ps(bias16 + 8))); \
     std::memcpy(y + i * ldy, tmp, n * sizeof(float));                             \
   }
-  PD_FINISH(0) PD_FINISH(1) PD_FINISH(2) PD_FINISH(3) PD_FINISH(4) PD_FINISH(5)
-#undef PD_FINISH
+#define PD_FINISH                                                                 \
+  alignas(32) float tmp[kPanel];                                                  \
+  PD_STORE(0) PD_STORE(1) PD_STORE(2) PD_STORE(3) PD_STORE(4) PD_STORE(5)
+
+inline void prefetch_record(const uint8_t* rec, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec) + off, _MM_HINT_T0);
 }
 
-template <typename Source>
-inline void group_rows(int64_t rows, const float* x, int64_t K, int64_t block_k, Source&& src,
-                       const float* bias16, float* y, int64_t ldy, int64_t n) {
+// Streaming: MR rows times one packed panel, each record dequantized in registers and used at
+// once. `x` is the group's inputs, (K, MR).
+template <int MR, int64_t T>
+inline void stream_rows(const float* x, int64_t K, const uint8_t* panel, const Layout& lay,
+                        const float* bias16, float* y, int64_t ldy, int64_t n) {
+  PD_ACCUMULATORS
+  for (int64_t k0 = 0; k0 < K; k0 += lay.block_k, panel += lay.record_bytes) {
+    prefetch_record(panel + lay.record_bytes, lay.record_bytes);  // next record (or panel)
+    const float* xb = x + k0 * MR;
+    for_each_k<T>(panel, [&](int64_t k, __m256 w0, __m256 w1) { PD_ROWS(xb + k * MR) });
+  }
+  PD_FINISH
+}
+
+// Panel: MR rows times a panel already unpacked to float32, w (K, 16).
+template <int MR>
+inline void unpacked_rows(const float* x, int64_t K, const float* w, const float* bias16,
+                          float* y, int64_t ldy, int64_t n) {
+  PD_ACCUMULATORS
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
+    PD_ROWS(x + k * MR)
+  }
+  PD_FINISH
+}
+#undef PD_ROW
+#undef PD_ROWS
+#undef PD_ACCUMULATORS
+#undef PD_STORE
+#undef PD_FINISH
+
+// Calls kernel(std::integral_constant<int, rows>) for rows 1..6.
+template <typename Kernel>
+inline void dispatch_rows(int64_t rows, Kernel&& kernel) {
   switch (rows) {
-    case 6: panel_rows<6>(x, K, block_k, src, bias16, y, ldy, n); break;
-    case 5: panel_rows<5>(x, K, block_k, src, bias16, y, ldy, n); break;
-    case 4: panel_rows<4>(x, K, block_k, src, bias16, y, ldy, n); break;
-    case 3: panel_rows<3>(x, K, block_k, src, bias16, y, ldy, n); break;
-    case 2: panel_rows<2>(x, K, block_k, src, bias16, y, ldy, n); break;
-    default: panel_rows<1>(x, K, block_k, src, bias16, y, ldy, n); break;
+    case 6: kernel(std::integral_constant<int, 6>{}); break;
+    case 5: kernel(std::integral_constant<int, 5>{}); break;
+    case 4: kernel(std::integral_constant<int, 4>{}); break;
+    case 3: kernel(std::integral_constant<int, 3>{}); break;
+    case 2: kernel(std::integral_constant<int, 2>{}); break;
+    default: kernel(std::integral_constant<int, 1>{}); break;
   }
 }
 
@@ -110,11 +135,6 @@ struct Part {
   Layout lay;
 };
 
-inline void prefetch_record(const uint8_t* rec, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec) + off, _MM_HINT_T0);
-}
-
 template <int64_t T>
 void run_panel(const Part& part, int64_t p, int64_t K, const std::vector<RowGroup>& groups,
                const float* bias, float* y, int64_t ldy, std::vector<float>& scratch) {
@@ -124,24 +144,23 @@ void run_panel(const Part& part, int64_t p, int64_t K, const std::vector<RowGrou
   alignas(32) float bias16[kPanel] = {};
   if (bias != nullptr) std::memcpy(bias16, bias + col, n * sizeof(float));
   const bool streaming = static_cast<int64_t>(groups.size()) <= kMaxStreamGroups;
-  scratch.resize((streaming ? lay.block_k : K) * kPanel);
-  float* buf = scratch.data();
-  if (streaming) {
-    auto unpack = [&](int64_t k0) {
-      const uint8_t* rec = panel + (k0 / lay.block_k) * lay.record_bytes;
-      prefetch_record(rec + lay.record_bytes, lay.record_bytes);  // next record, or next panel
-      unpack_record<T>(rec, buf);
-      return static_cast<const float*>(buf);
-    };
-    for (const RowGroup& g : groups)
-      group_rows(g.rows, g.x, K, lay.block_k, unpack, bias16, y + g.first * ldy + col, ldy, n);
-    return;
+  for (const RowGroup& g : groups) {
+    float* yg = y + g.first * ldy + col;
+    if (streaming) {
+      dispatch_rows(g.rows, [&](auto mr) {
+        stream_rows<decltype(mr)::value, T>(g.x, K, panel, lay, bias16, yg, ldy, n);
+      });
+      continue;
+    }
+    if (&g == &groups.front()) {  // unpack the whole panel once for all groups
+      scratch.resize(K * kPanel);
+      for (int64_t b = 0; b < K / lay.block_k; ++b)
+        unpack_record<T>(panel + b * lay.record_bytes, scratch.data() + b * lay.block_k * kPanel);
+    }
+    dispatch_rows(g.rows, [&](auto mr) {
+      unpacked_rows<decltype(mr)::value>(g.x, K, scratch.data(), bias16, yg, ldy, n);
+    });
   }
-  for (int64_t b = 0; b < K / lay.block_k; ++b)
-    unpack_record<T>(panel + b * lay.record_bytes, buf + b * lay.block_k * kPanel);
-  auto whole = [buf](int64_t k0) { return static_cast<const float*>(buf + k0 * kPanel); };
-  for (const RowGroup& g : groups)
-    group_rows(g.rows, g.x, K, K, whole, bias16, y + g.first * ldy + col, ldy, n);
 }
 
 void run_panel_of(const Part& part, int64_t p, int64_t K, const std::vector<RowGroup>& groups,
@@ -150,7 +169,7 @@ void run_panel_of(const Part& part, int64_t p, int64_t K, const std::vector<RowG
 #define PD_TYPE(t) \
     case t: run_panel<t>(part, p, K, groups, bias, y, ldy, scratch); break;
     PD_TYPE(F32) PD_TYPE(F16) PD_TYPE(BF16) PD_TYPE(Q8_0) PD_TYPE(Q4_0) PD_TYPE(Q4_1)
-    PD_TYPE(Q4_K) PD_TYPE(Q5_K) PD_TYPE(Q6_K)
+    PD_TYPE(Q5_0) PD_TYPE(Q5_1) PD_TYPE(Q4_K) PD_TYPE(Q5_K) PD_TYPE(Q6_K)
 #undef PD_TYPE
     default: TORCH_CHECK(false, "quantized matmul: unsupported GGML type ", part.type);
   }

@@ -71,6 +71,20 @@ void put_column(int64_t type, const uint8_t* raw, uint8_t* rec, int64_t c) {
         put_nibble(rec + header * 16, k, c, raw[header + k % 16] >> (4 * (k / 16)));
       break;
     }
+    case Q5_0: case Q5_1: {
+      // d (, m), qh (uint32: bit j is element j's fifth bit), qs[16] as Q4_0.
+      const int64_t header = type == Q5_0 ? 2 : 4, scales = header / 2 * 32;
+      put16(rec, c, u16(raw));
+      if (type == Q5_1) put16(rec, 16 + c, u16(raw + 2));
+      uint32_t qh;
+      std::memcpy(&qh, raw + header, 4);
+      uint16_t* high = reinterpret_cast<uint16_t*>(rec + scales + 256);
+      for (int64_t k = 0; k < 32; ++k) {
+        put_nibble(rec + scales, k, c, raw[header + 4 + k % 16] >> (4 * (k / 16)));
+        high[k] = static_cast<uint16_t>(high[k] | (((qh >> k) & 1) << c));
+      }
+      break;
+    }
     case Q4_K: put_kquant(raw, raw + 16, rec, c); break;
     case Q5_K: {
       const uint8_t* qh = raw + 16;

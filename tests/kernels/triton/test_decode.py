@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.paged_decode import reference_paged_decode_attention
+from pdserve.kernels.paged_attention import reference_paged_decode_attention
 from tests.kernels.triton.helpers import readable, scattered_pool
 
 triton_decode = pytest.importorskip("pdserve.kernels.triton.decode")
