@@ -49,7 +49,8 @@ _MAX_FIELD_LEN = 256
 class RegistrationMsg:
     """One worker's registration (also each renewal). ``url`` is the worker's advertised base
     URL; ``bootstrap_host``/``bootstrap_port`` the prefill's KV bootstrap address (None on
-    other roles); ``kv_layout`` is ``transport.layout.layout_fingerprint`` of its page pool."""
+    other roles); ``kv_layout`` is ``transport.layout.layout_fingerprint`` of its page pool,
+    ``weights`` ``model.fingerprint.weights_fingerprint`` of its checkpoint."""
 
     url: str
     role: str
@@ -61,6 +62,7 @@ class RegistrationMsg:
     ttl_s: float
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    weights: str = ""  # "" from a worker that does not publish it: matches any
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +98,7 @@ class RegistrationMsg:
             ttl_s=float(ttl),
             bootstrap_host=host,
             bootstrap_port=port,
+            weights=_text(raw, "weights", empty_ok=True) if "weights" in raw else "",
         )
 
 

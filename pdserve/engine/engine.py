@@ -374,6 +374,7 @@ class Engine:
         return {
             **self.count_by_state(),
             "num_requests": len(self._requests),
+            "waiting_prompt_tokens": self.scheduler.num_prompt_tokens_queued(),
             "free_pages": alloc.num_available,
             "total_pages": alloc.num_pages,
             "page_size": self.runner.kv_config.page_size,

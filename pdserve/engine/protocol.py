@@ -92,6 +92,7 @@ class EngineInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""  # KV dtype, e.g. "bfloat16" (routers pair only equal ones)
     kv_layout: str = ""  # transport.layout.layout_fingerprint of the page pool
+    weights: str = ""  # model.fingerprint.weights_fingerprint (prefill and decode roles)
 
 
 class TokenizerLike(Protocol):

@@ -12,7 +12,8 @@ from aiohttp import web
 
 from pdserve.registration_msg import DeregistrationMsg, RegistrationMsg
 from pdserve.router.errors import error_response
-from pdserve.router.workers import HealthChecker, WorkerManager
+from pdserve.router.health import HealthChecker
+from pdserve.router.workers import WorkerManager
 
 
 class RegistryApi:

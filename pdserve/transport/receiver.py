@@ -79,7 +79,9 @@ class KVReceiver:
             config.connect_timeout_s, config.request_timeout_s, config.bootstrap_token
         )
         self.counters = ReceiverStats()
-        self.layout = layout_of(pool, config.model_name, config.model_fingerprint)
+        self.layout = layout_of(
+            pool, config.model_name, config.model_fingerprint, config.weights_fingerprint
+        )
         self._nonces = itertools.count(1)
         self._agent: KVAgent | None = None
         self.links: PrefillLinkManager | None = None

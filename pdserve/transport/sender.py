@@ -69,7 +69,9 @@ class KVSender:
         observer: TransferObserver | None = None,
     ) -> None:
         table = RoomTable(RoomSide.SENDER, config.deadlines, on_release=self._on_room_release)
-        layout = layout_of(pool, config.model_name, config.model_fingerprint)
+        layout = layout_of(
+            pool, config.model_name, config.model_fingerprint, config.weights_fingerprint
+        )
         peers = DecodePeerManager(config.peer_lost_after_s)
         # What the writer and the registrar share with us (they never see the sender itself).
         self.state = SenderState(config, pool, table, peers, maybe_injector(config.faults), layout)

@@ -30,6 +30,7 @@ from tests.e2e.client import (
 from tests.e2e.procs import (
     PORT_FLAGS,
     READY_TIMEOUT_S,
+    ROUTER_PD_READY,
     WORKER_ARGS,
     Cluster,
     Proc,
@@ -47,6 +48,7 @@ __all__ = [
     "Proc",
     "QUEUE_GAUGES",
     "READY_TIMEOUT_S",
+    "ROUTER_PD_READY",
     "StreamResult",
     "WORKER_ARGS",
     "assign_distinct_ports",

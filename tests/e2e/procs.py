@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 READY_TIMEOUT_S = 180.0
+ROUTER_PD_READY = "/health/pd"  # 200 once a prefill+decode pair is up (not the fallback)
 
 
 _GIVEN_PORTS: set[int] = set()
@@ -41,6 +42,8 @@ class Proc:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # A router's /health/ready counts the decode fallback; tests wait for the PD path.
+    ready_path: str = "/health/ready"
 
     def start(self) -> Proc:
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed when the process is reaped
@@ -59,7 +62,7 @@ class Proc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health/ready", timeout=2) as r:
+                with urllib.request.urlopen(f"{self.url}{self.ready_path}", timeout=2) as r:
                     if r.status == 200:
                         return self
             except OSError:
@@ -104,12 +107,16 @@ def worker(tmp: Path, name: str, role: str, model: Path, *extra: str) -> Proc:
 
 def router(tmp: Path, prefills: list[Proc], decodes: list[Proc], *extra: str) -> Proc:
     port = free_port()
-    argv = ["router", "--port", str(port), "--health-interval", "0.5"]
+    # Round robin: these tests drain or kill one worker of a role under load and need the load
+    # on every one (auto would send identical prompts to one; tests/router covers it).
+    policy = [] if "--policy" in extra else ["--policy", "round_robin"]
+    argv = ["router", "--port", str(port), "--health-interval", "0.5", *policy]
     for p in prefills:
         argv += ["--prefill", p.url]
     for d in decodes:
         argv += ["--decode", d.url]
-    return Proc("router", [*argv, *extra], f"http://127.0.0.1:{port}", tmp / "router.log")
+    url, log = f"http://127.0.0.1:{port}", tmp / "router.log"
+    return Proc("router", [*argv, *extra], url, log, ready_path=ROUTER_PD_READY)
 
 
 @dataclass

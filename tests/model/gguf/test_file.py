@@ -50,3 +50,14 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
 def test_the_served_name_drops_the_quantization_suffix(name: str, served: str) -> None:
     assert model_name_of(Path(name)) == served
     assert default_served_name(Path("/nowhere") / name) == served
+
+
+def test_a_gguf_file_has_a_weights_fingerprint_that_tells_other_weights_apart(
+    demo_dir: Path, demo_f32_gguf: Path, tmp_path: Path
+) -> None:
+    from pdserve.model.fingerprint import weights_fingerprint
+    from tests.model.gguf.conftest import demo_gguf
+
+    value = weights_fingerprint(demo_f32_gguf)
+    assert len(value) == 16 and weights_fingerprint(demo_f32_gguf.parent) == value
+    assert weights_fingerprint(demo_gguf(demo_dir, tmp_path, "Q8_0")) != value
