@@ -38,6 +38,7 @@ from pdserve.kv_sizing import (
 )
 from pdserve.model.checkpoint import (
     declared_dtype,
+    is_block_quantized,
     load_model_config,
     load_model_weights,
     load_tokenizer,
@@ -105,7 +106,12 @@ class ModelRunner:
         declared = declared_dtype(config.model_dir, self.model_config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, declared)
         self.act_dtype = activation_dtype(self.dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.act_dtype)
+        # "auto": the weights' dtype; a block-quantized GGUF's KV is bf16 (its dense float32
+        # parts are a loading choice, not the precision it was made for).
+        stored = self.dtype
+        if is_block_quantized(config.model_dir, self.model_config) and is_cpu(self.device):
+            stored = torch.bfloat16
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, stored, self.act_dtype)
         self.tokenizer = load_tokenizer(config.model_dir)
         mc = self.model_config
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.

@@ -61,11 +61,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 QUANTIZED_CPU_DTYPE, QUANTIZED_CUDA_DTYPE = "float32", "bfloat16"
 
 
+def is_block_quantized(path: str | Path, config: ModelConfig) -> bool:
+    """A GGUF whose projections are block-quantized (its dense dtype is pdserve's choice)."""
+    return config.checkpoint_dtype is None and _gguf(path) is not None
+
+
 def declared_dtype(path: str | Path, config: ModelConfig, device: torch.device) -> str | None:
     """The dtype the checkpoint is stored in (what ``--dtype auto`` runs)."""
     if config.checkpoint_dtype is not None:
         return config.checkpoint_dtype
-    if _gguf(path) is not None:  # block-quantized
+    if is_block_quantized(path, config):
         return QUANTIZED_CPU_DTYPE if device.type == "cpu" else QUANTIZED_CUDA_DTYPE
     from pdserve.model.loader import stored_dtype
 
