@@ -122,13 +122,20 @@ def download_source(version: str, dest: Path) -> None:
             check=True, timeout=CONVERT_TIMEOUT_S, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
-        prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-        with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-            for m in members:
-                m.name = m.name[len(prefix) :]
-            tar.extractall(Path(tmp) / "src", members=members, filter="data")
+        extract_source(sdist, version, Path(tmp) / "src")
         os.replace(Path(tmp) / "src", dest)
+
+
+def extract_source(sdist: Path, version: str, dest: Path) -> None:
+    """The sdist's ``vendor/llama.cpp`` as ``dest`` (nothing else of the sdist)."""
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        if not members:
+            raise RuntimeError(f"{sdist} has no {prefix}")
+        for m in members:
+            m.name = m.name[len(prefix) :]
+        tar.extractall(dest, members=members, filter="data")
 
 
 @contextlib.contextmanager

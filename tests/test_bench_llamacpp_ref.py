@@ -6,7 +6,9 @@ stand-in runner that leaves what the real ones would, and a stand-in script play
 from __future__ import annotations
 
 import argparse
+import io
 import sys
+import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -106,6 +108,22 @@ def test_q8_0_is_quantized_from_the_bf16_conversion_and_both_are_cached(tmp_path
     assert again.commands == []
     with pytest.raises(ValueError, match="Q4_K"):
         write_gguf(tree, hf_dir, "Q4_K", run=again.run)
+
+
+def test_only_the_vendored_llama_cpp_is_taken_from_the_sdist(tmp_path: Path) -> None:
+    sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, data in [("llama_cpp_python-9.9.9/vendor/llama.cpp/CMakeLists.txt", b"cmake"),
+                           ("llama_cpp_python-9.9.9/vendor/llama.cpp/tools/server/a.cpp", b"c"),
+                           ("llama_cpp_python-9.9.9/llama_cpp/llama.py", b"python")]:  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    llamacpp_ref.extract_source(sdist, "9.9.9", tmp_path / "src")
+    found = sorted(str(p.relative_to(tmp_path / "src")) for p in (tmp_path / "src").rglob("*.*"))
+    assert found == ["CMakeLists.txt", "tools/server/a.cpp"]
+    with pytest.raises(RuntimeError, match="vendor/llama.cpp"):
+        llamacpp_ref.extract_source(sdist, "1.0.0", tmp_path / "other")
 
 
 STAND_IN = """#!{python}
