@@ -42,6 +42,7 @@ from bench.cluster import (  # noqa: E402
     check_idle,
     count_tracebacks,
 )
+from bench.sse import sse_events  # noqa: E402
 
 COMPLETED, ABORTED, ERROR = "completed", "aborted", "error"
 NEVER_ANSWERED, TRUNCATED, MALFORMED = "never_answered", "truncated", "malformed"
@@ -249,14 +250,11 @@ def _classify_error_body(result: RequestResult, raw: bytes) -> None:
 async def _read_stream(
     resp: aiohttp.ClientResponse, plan: RequestPlan, result: RequestResult, progress: StormProgress
 ) -> None:
-    async for line in resp.content:
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
+    async for event in sse_events(resp):
+        payload = event.data
+        if payload is None:
             result.saw_done = True
             break
-        payload = orjson.loads(data)
         if "error" in payload:
             err = payload["error"] or {}
             result.error_kind = f"sse:{err.get('code') or err.get('type')}"

@@ -41,10 +41,13 @@ DEFAULT_WORKER_ARGS = (
     "--timeout-queue", "30", "--timeout-waiting-for-kv", "20", "--timeout-request", "40",
 )  # fmt: skip
 DEFAULT_ROUTER_ARGS = (
+    "--policy", "round_robin",  # the chaos benches kill one worker of a role: load on each
     "--health-interval", "0.5", "--health-timeout", "1", "--request-timeout", "45",
     "--first-byte-timeout", "25", "--breaker-reset", "2",
 )  # fmt: skip
 PROBE_TIMEOUT_S = 5.0  # one HTTP call to a local process
+# A router's /health/ready also counts a decode prefilling itself; a bench measures the PD path.
+ROUTER_READY_PATH = "/health/pd"
 
 
 def free_port() -> int:
@@ -193,7 +196,8 @@ class Cluster:
         for d in self.decodes:
             argv += ["--decode", d.url]
         return ManagedProc("router", "router", argv, f"http://127.0.0.1:{port}",
-                           self.log_dir / "router.log", self._env())  # fmt: skip
+                           self.log_dir / "router.log", self._env(),
+                           ready_path=ROUTER_READY_PATH)  # fmt: skip
 
     def _env(self) -> dict[str, str]:
         return {"PDSERVE_LOG_LEVEL": self.spec.log_level}

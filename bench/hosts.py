@@ -26,7 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.cluster import PDSERVE, Cluster, ClusterSpec, ManagedProc, scrape
+from bench.cluster import PDSERVE, ROUTER_READY_PATH, Cluster, ClusterSpec, ManagedProc, scrape
 from bench.netns import Fabric
 from pdserve.envs import BOOTSTRAP_TOKEN_ENV
 
@@ -89,7 +89,8 @@ class HostsCluster(Cluster):
             env |= {**UCX_ENV, BOOTSTRAP_TOKEN_ENV: self.bootstrap_token}
         command = (*self.fabric.exec_prefix(host), *PDSERVE)
         log = self.log_dir / f"{name}.log"
-        return ManagedProc(name, role, argv, url, log, env, command=command)
+        ready = ROUTER_READY_PATH if role == "router" else "/health/ready"
+        return ManagedProc(name, role, argv, url, log, env, command=command, ready_path=ready)
 
     def _worker(self, name: str, role: str, host: str | None = None) -> ManagedProc:
         host = host or name

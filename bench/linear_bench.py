@@ -40,7 +40,7 @@ def main() -> None:
     if module is None:
         raise SystemExit("the bf16 kernel is unavailable here (needs AVX2 and a C++ compiler)")
     weights = [torch.randn(n, k).bfloat16() for n, k in SMALL_SHAPES]
-    packed = [cpu_gemm.PackedBF16Weight(module, w) for w in weights]
+    packed = [cpu_gemm.PackedDenseWeight(module, w) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w.float(), None) for w in weights]
     weight_bytes = sum(w.numel() * 2 for w in weights)
     print(f"{len(weights)} projections, {weight_bytes / 1e6:.0f} MB bf16, {args.threads} threads")

@@ -13,11 +13,12 @@ default), ``colocated-nocache``, ``pd`` (router + prefill + decode sharing one C
 caching on (``--vllm-python``). Ratios: TTFT nocache/cache, throughput / vLLM.
 
 ``long_prompt``: ``--num-streams`` streams decode on one colocated worker; once every one of
-them streams, a ``--long-len``-token prompt arrives. The streams' inter-token gaps that overlap
-its prefill window (arrival to first token) give ITL p50/p99, against the streams' median ITL
-over the whole run; once without chunked prefill, then with it at each step budget of
-``--max-num-batched-tokens`` (a comma list sweeps the trade-off between the streams' stalls and
-the long prompt's TTFT).
+them streams, a ``--long-len``-token prompt arrives (each stream runs until it has a token
+after the long prompt's first, so it spans the whole prefill on any machine). The streams'
+inter-token gaps that overlap its prefill window (arrival to first token) give ITL p50/p99,
+against the streams' median ITL over the whole run; once without chunked prefill, then with
+it at each step budget of ``--max-num-batched-tokens`` (a comma list sweeps the trade-off
+between the streams' stalls and the long prompt's TTFT).
 """
 
 from __future__ import annotations
@@ -28,16 +29,13 @@ import json
 import shlex
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,6 +48,7 @@ from bench.pd_compare import (  # noqa: E402
     summary_metric,
 )
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
+from bench.timed_stream import Stream, pct_ms, stream, window_itls  # noqa: E402
 from bench.vllm_ref import VllmServer  # noqa: E402
 from pdserve.cli_common import run_async  # noqa: E402
 
@@ -174,70 +173,17 @@ async def run_shared_prefix(model_dir: Path, args: argparse.Namespace) -> dict[s
 # ---- long_prompt ------------------------------------------------------------------------
 
 
-@dataclass
-class Stream:
-    """One streamed completion: the arrival time of each SSE chunk that carries text."""
-
-    sent_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    error: str | None = None
-
-
-async def stream(
-    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, out: Stream,
-    on_token: asyncio.Event | None, timeout_s: float,
-) -> None:  # fmt: skip
-    """POST a streamed completion; ``on_token`` is set at its second token (or its end)."""
-    payload = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-               "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-    out.sent_at = time.perf_counter()
-    try:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.post(f"{url}/v1/completions", json=payload, timeout=timeout) as resp:
-            if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return
-            async for line in resp.content:
-                now = time.perf_counter()
-                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                    continue
-                obj = orjson.loads(line[5:].strip())
-                if "error" in obj:
-                    out.error = str(obj["error"])[:200]
-                    return
-                if any(c.get("text") for c in obj.get("choices") or ()):
-                    out.token_times.append(now)
-                    if on_token is not None and len(out.token_times) == 2:
-                        on_token.set()
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"[:200]
-    finally:
-        if on_token is not None:
-            on_token.set()  # ended (or failed) early: nobody waits for its second token
-
-
-def window_itls(streams: list[Stream], lo: float, hi: float) -> list[float]:
-    """The streams' inter-token gaps that overlap ``(lo, hi)``: a stall across it counts."""
-    gaps = []
-    for s in streams:
-        t = np.asarray(s.token_times)
-        if len(t) > 1:
-            a, b = t[:-1], t[1:]
-            gaps += (b - a)[(b > lo) & (a < hi)].tolist()
-    return gaps
-
-
-def _pct_ms(values: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values) * 1000.0, q)) if values else None
-
-
 async def streams_and_long_prompt(
     url: str, model_dir: Path, args: argparse.Namespace
 ) -> tuple[list[Stream], Stream, int]:
-    """Start the streams; once each streams, send the long prompt; wait for them all."""
+    """Start the streams; once each streams, send the long prompt; wait for them all. Each
+    stream runs until it has a token after the long prompt's first one (and at least
+    ``--stream-output-len``): its gaps cover the long prompt's prefill by construction."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         info = await get_json(session, f"{url}/server_info")
-        long_len = min(args.long_len, int(info["max_model_len"]) - args.long_output_len - 1)
+        max_len = int(info["max_model_len"])
+        long_len = min(args.long_len, max_len - args.long_output_len - 1)
+        stream_bound = max(args.stream_output_len, max_len - args.stream_input_len - 16)
         tok = str(model_dir)
         short = workloads.make_prompts("random", args.num_streams + 1, args.stream_input_len,
                                        seed=1, tokenizer=tok)  # fmt: skip
@@ -248,10 +194,11 @@ async def streams_and_long_prompt(
             raise RuntimeError(f"warm-up failed: {warm.error}")
         started = [asyncio.Event() for _ in range(args.num_streams)]
         streams = [Stream() for _ in range(args.num_streams)]
-        tasks = [asyncio.create_task(stream(session, url, short[i], args.stream_output_len,
-                                            streams[i], started[i], args.request_timeout))
-                 for i in range(args.num_streams)]  # fmt: skip
         long = Stream()
+        tasks = [asyncio.create_task(stream(session, url, short[i], stream_bound, streams[i],
+                                            started[i], args.request_timeout, until=long,
+                                            min_tokens=args.stream_output_len))
+                 for i in range(args.num_streams)]  # fmt: skip
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)),
                                    args.request_timeout)  # fmt: skip
@@ -282,12 +229,12 @@ async def long_prompt_once(model_dir: Path, args: argparse.Namespace, budget: in
     first = long.token_times[0]
     window = window_itls(streams, long.sent_at, first)
     all_itls = window_itls(streams, -np.inf, np.inf)
-    p50_all = _pct_ms(all_itls, 50)
-    p99_win = _pct_ms(window, 99)
+    p50_all = pct_ms(all_itls, 50)
+    p99_win = pct_ms(window, 99)
     still = sum(1 for s in streams if s.token_times[-1] > first)
     return {"chunked": chunked, "max_num_batched_tokens": step_tokens, "long_len": long_len,
             "long_ttft_ms": (first - long.sent_at) * 1000.0,
-            "window_itl_p50_ms": _pct_ms(window, 50), "window_itl_p99_ms": p99_win,
+            "window_itl_p50_ms": pct_ms(window, 50), "window_itl_p99_ms": p99_win,
             "all_itl_p50_ms": p50_all, "num_window_itls": len(window),
             "streams_running_after_first_token": still,
             "window_p99_over_median": _ratio(p99_win, p50_all)}  # fmt: skip
@@ -360,7 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("long_prompt")
     g.add_argument("--num-streams", type=int, default=8)
     g.add_argument("--stream-input-len", type=int, default=32)
-    g.add_argument("--stream-output-len", type=int, default=256)
+    g.add_argument("--stream-output-len", type=int, default=256,
+                   help="tokens each stream decodes at least (and until the long prompt's first "
+                   "token has arrived)")  # fmt: skip
     g.add_argument("--long-len", type=int, default=4096, help="capped by max_model_len")
     g.add_argument("--long-output-len", type=int, default=8)
     g.add_argument("--max-num-batched-tokens", type=_budgets, default=[256],

@@ -27,6 +27,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
 
 from bench import workloads  # noqa: E402
+from bench.sse import choice_text, sse_events  # noqa: E402
 from bench.workloads import Prompt  # noqa: E402
 from pdserve.cli_common import run_async  # noqa: E402
 
@@ -141,15 +142,11 @@ async def _read_events(resp: aiohttp.ClientResponse, result: RequestResult, star
     """Fill TTFT/ITL/usage from the SSE stream; returns the number of events with text."""
     num_events = 0
     last = start
-    async for line in resp.content:
-        now = time.perf_counter()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
+    async for event in sse_events(resp):
+        now, obj = event.at, event.data
+        if obj is None:  # [DONE]: read on to the end of the body, so the server sees a clean finish
             result.e2e_s = now - start
-            continue  # read on to the end of the body, so the server sees a clean finish
-        obj = orjson.loads(data)
+            continue
         if "error" in obj:
             result.error = str(obj["error"])[:200]
             break
@@ -158,7 +155,7 @@ async def _read_events(resp: aiohttp.ClientResponse, result: RequestResult, star
             result.num_output_tokens = usage.get("completion_tokens") or 0
             details = usage.get("prompt_tokens_details") or {}
             result.num_cached_tokens = details.get("cached_tokens")
-        if _has_text(obj):
+        if any(choice_text(c) for c in obj.get("choices") or ()):
             if num_events == 0:
                 result.ttft_s = now - start
             else:
@@ -166,13 +163,6 @@ async def _read_events(resp: aiohttp.ClientResponse, result: RequestResult, star
             num_events += 1
             last = now
     return num_events
-
-
-def _has_text(obj: dict[str, Any]) -> bool:
-    for choice in obj.get("choices") or ():
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
 
 
 class Progress:

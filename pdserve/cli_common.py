@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pdserve.envs import read_env
 from pdserve.model.config import ModelDirError
-from pdserve.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError
+from pdserve.model.dtype import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, UnsupportedDtypeError
 
 T = TypeVar("T")
 # Errors of a model (directory, dtype) that a command cannot serve: a message, not a traceback.
@@ -39,6 +39,12 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", choices=DTYPE_CHOICES,
         help="auto (default): the checkpoint's torch_dtype (a float16 one runs in bfloat16 on "
         "CPU); an explicit dtype converts the weights on load (float16: CUDA only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+        help="auto (default): the weights' dtype (bfloat16 for a bf16 checkpoint; on CPUs K/V "
+        "are computed in float32 and rounded once, when stored); float32 keeps them exact "
+        "(2x the KV memory; CPU only for a bf16 model)",
     )  # fmt: skip
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument(

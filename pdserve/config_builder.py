@@ -25,6 +25,7 @@ def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -
     return RunnerConfig(
         model_dir=str(resolve_model_dir(args.model)),
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         page_size=args.page_size,
         kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
         num_pages=args.num_gpu_blocks,

@@ -28,6 +28,12 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def prepend_to_path(directory: str) -> None:
+    """Put ``directory`` first on ``PATH``, for tools a library runs by name (torch's C++
+    extension build runs ``ninja``)."""
+    os.environ["PATH"] = f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 BOOTSTRAP_TOKEN_ENV = "PDSERVE_BOOTSTRAP_TOKEN"
 
 

@@ -1,4 +1,9 @@
-"""`pdserve up`: a local PD cluster (prefill + decode + router) as child processes on 127.0.0.1."""
+"""`pdserve up`: a local PD cluster (prefills + decodes + router) as child processes on 127.0.0.1.
+
+With ``--num-prefill N`` / ``--num-decode N`` the i-th worker of a role (from 0) listens on its
+role's port + ``PORT_STRIDE * i`` (30001, 30011, ... and 30002, 30012, ...) and a prefill's
+bootstrap port is ``--bootstrap-port`` + i.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pdserve.device import (
 from pdserve.envs import child_env
 from pdserve.lifetime import parent_death_preexec
 from pdserve.model.config import ModelConfig, ModelDirError
+from pdserve.router.config import POLICY_NAMES
 
 
 @dataclass(frozen=True)
@@ -47,9 +53,36 @@ class ClusterConfig:
     # Stopping (SIGTERM/Ctrl-C) drains every child this long before it is killed (STOP_MARGIN_S
     # more: a drained child still has to exit).
     drain_timeout_s: float = 30.0
+    num_prefill: int = 1
+    num_decode: int = 1
+    policy: str | None = None  # the router's --policy; None: the router's default
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("--num-prefill and --num-decode must be >= 1")
+        ports = [self.router_port, *self.prefill_ports, *self.decode_ports]
+        ports += self.bootstrap_ports
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"two children would share a port: {sorted(ports)}")
+
+    @property
+    def prefill_ports(self) -> list[int]:
+        return [self.prefill_port + PORT_STRIDE * i for i in range(self.num_prefill)]
+
+    @property
+    def decode_ports(self) -> list[int]:
+        return [self.decode_port + PORT_STRIDE * i for i in range(self.num_decode)]
+
+    @property
+    def bootstrap_ports(self) -> list[int]:
+        return [self.bootstrap_port + i for i in range(self.num_prefill)]
 
 
 STOP_MARGIN_S = 10.0
+PORT_STRIDE = 10  # between two workers of one role
+# The router child is ready once the PD path is up (its /health/ready also counts a decode
+# prefilling itself, which is what a balancer wants, not what "cluster ready" means).
+READY_PATHS = {"router": "/health/pd"}
 
 
 @dataclass
@@ -83,25 +116,29 @@ def _spawn(name: str, argv: list[str], url: str, env: dict[str, str]) -> Child:
 
 
 def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
-    """(name, `pdserve` argv, url) of the prefill, decode and router processes."""
+    """(name, `pdserve` argv, url) of the prefill, decode and router processes. With one worker
+    of a role it is named after the role, else ``prefill-0``, ``prefill-1``, ..."""
     host = "127.0.0.1"
     common = ["--model", cfg.model_dir, "--served-model-name", cfg.served_model_name,
               *cfg.extra_worker_args]  # fmt: skip
     if cfg.cpu_lease_path:
         common += ["--cpu-lease", cfg.cpu_lease_path]
     common += ["--drain-timeout", str(cfg.drain_timeout_s)]
-    router_drain = ["--drain-timeout", str(cfg.drain_timeout_s)]
-    prefill_url = f"http://{host}:{cfg.prefill_port}"
-    decode_url = f"http://{host}:{cfg.decode_port}"
-    return [
-        ("prefill", ["serve", "--role", "prefill", "--port", str(cfg.prefill_port),
-                     "--bootstrap-port", str(cfg.bootstrap_port), *common, *cfg.prefill_args],
-         prefill_url),
-        ("decode", ["serve", "--role", "decode", "--port", str(cfg.decode_port), *common,
-                    *cfg.decode_args], decode_url),
-        ("router", ["router", "--port", str(cfg.router_port), "--prefill", prefill_url,
-                    "--decode", decode_url, *router_drain], f"http://{host}:{cfg.router_port}"),
-    ]  # fmt: skip
+    router = ["router", "--port", str(cfg.router_port), "--drain-timeout", str(cfg.drain_timeout_s)]
+    if cfg.policy is not None:
+        router += ["--policy", cfg.policy]
+    specs = []
+    for role, ports, role_args in (("prefill", cfg.prefill_ports, cfg.prefill_args),
+                                   ("decode", cfg.decode_ports, cfg.decode_args)):  # fmt: skip
+        for i, port in enumerate(ports):
+            name = role if len(ports) == 1 else f"{role}-{i}"
+            argv = ["serve", "--role", role, "--port", str(port), *common, *role_args]
+            if role == "prefill":
+                argv[5:5] = ["--bootstrap-port", str(cfg.bootstrap_ports[i])]
+            url = f"http://{host}:{port}"
+            specs.append((name, argv, url))
+            router += [f"--{role}", url]
+    return [*specs, ("router", router, f"http://{host}:{cfg.router_port}")]
 
 
 def start_cluster(cfg: ClusterConfig, children: list[Child]) -> None:
@@ -112,9 +149,9 @@ def start_cluster(cfg: ClusterConfig, children: list[Child]) -> None:
         children.append(_spawn(name, argv, url, env))
 
 
-def is_ready(url: str) -> bool:
+def is_ready(url: str, path: str = "/health/ready") -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health/ready", timeout=2) as resp:
+        with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -129,7 +166,7 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
         for child in list(pending):
             if child.proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}")
-            if is_ready(child.url):
+            if is_ready(child.url, READY_PATHS.get(child.name, "/health/ready")):
                 print(f"[up] {child.name} ready at {child.url}", flush=True)
                 pending.remove(child)
         if pending and time.monotonic() > deadline:
@@ -188,6 +225,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefill-port", type=int, default=30001)
     p.add_argument("--decode-port", type=int, default=30002)
     p.add_argument("--bootstrap-port", type=int, default=8998)
+    p.add_argument(
+        "--num-prefill", type=int, default=1, metavar="N",
+        help=f"prefill workers (the i-th on --prefill-port + {PORT_STRIDE}*i, bootstrap port + i)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-decode", type=int, default=1, metavar="N",
+        help=f"decode workers (the i-th on --decode-port + {PORT_STRIDE}*i)",
+    )  # fmt: skip
+    p.add_argument(
+        "--policy", choices=POLICY_NAMES, default=None,
+        help="the router's routing policy (default: the router's)",
+    )  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument(
         "--drain-timeout", type=float, default=30.0,
@@ -245,6 +294,9 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         decode_args=role_device_args(args, decode_device, prefill_device),
         cpu_lease_path=default_lease_path(args.router_port) if use_lease else None,
         drain_timeout_s=args.drain_timeout,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        policy=args.policy,
     )
 
 
@@ -283,10 +335,10 @@ def handle_stop_signals() -> None:
 
 
 def main(argv: list[str]) -> int:
-    cfg = cluster_config_from_args(parse_args(argv))
     try:  # refuse a model the workers cannot serve before starting any of them
+        cfg = cluster_config_from_args(parse_args(argv))
         ModelConfig.from_dir(cfg.model_dir)
-    except ModelDirError as e:
+    except (ModelDirError, ValueError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
     children: list[Child] = []

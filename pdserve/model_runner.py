@@ -17,16 +17,9 @@ import torch
 
 from pdserve.attention.backend import AttentionConfig
 from pdserve.attention.factory import create_backend
-from pdserve.device import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    check_device,
-    check_gpu_memory_utilization,
-    is_cpu,
-)
-from pdserve.engine.protocol import TokenLogprob
+from pdserve.device import check_device, check_gpu_memory_utilization, is_cpu
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
-from pdserve.kernels.linear import auto_fp32_min_rows
 from pdserve.kernels.prompt_logprobs import (
     PromptLogprobs,
     prompt_logprobs_for,
@@ -42,12 +35,13 @@ from pdserve.kv_sizing import (
     warm_up_sequences,
 )
 from pdserve.model.config import ModelConfig
-from pdserve.model.dtype import resolve_dtype
+from pdserve.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
 from pdserve.model.graph_runner import DecodeGraphRunner
-from pdserve.model.llama import LlamaModel
+from pdserve.model.llama import LlamaModel, activation_dtype
 from pdserve.model.loader import load_weights, stored_dtype
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.runner_config import RunnerConfig
 from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import (
@@ -56,41 +50,9 @@ from pdserve.thread_tuning import (
     choose_threads,
     time_candidates,
 )
+from pdserve.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    model_dir: str
-    # "auto": the checkpoint's own (pdserve.model.dtype); "bfloat16" | "float32"; "float16" on CUDA
-    dtype: str = "auto"
-    page_size: int = 16
-    num_pages: int | None = None  # None: as many as fit in kv_cache_bytes
-    # None: 512 MiB on CPU; on CUDA what gpu_memory_utilization leaves (see pdserve.kv_sizing).
-    kv_cache_bytes: int | None = None
-    max_num_seqs: int = 64
-    max_prefill_tokens: int = 2048  # the offline LLM's default step budget
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    device: str = "cpu"  # cpu | cuda | cuda:N, checked at start (pdserve.device)
-    # CUDA: the fraction of the device's total memory this worker may use, the KV pool included.
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    # CUDA: bytes held back for CUDA graphs when sizing the pool; None: the default estimate.
-    graph_reserve_bytes: int | None = None
-    num_threads: int | None = None  # torch intra-op threads of prefill; None: torch's default
-    # Threads of decode steps; None: the same as prefill until calibrate_decode_threads() runs.
-    decode_threads: int | None = None
-    # Matmuls with at least this many rows run in float32 on float32 weight copies (2x the
-    # weight memory again). None: auto (on for bf16 on CPUs without native bf16 GEMM); 0: off.
-    fp32_matmul_min_rows: int | None = None
-    # False for a worker that never prefills prompts (the decode role): auto then makes no
-    # float32 copies where the bf16 kernel runs (see auto_fp32_min_rows).
-    prefills_prompts: bool = True
-    # "auto" | "torch" | "cpp" | "triton" (pdserve.attention.backend): auto picks the C++ kernel
-    # on CPUs, Triton on CUDA, torch where neither runs.
-    attention_backend: str = "auto"
-    # Decode without CUDA graphs (always so on CPU, and with a backend that cannot be captured).
-    enforce_eager: bool = False
 
 
 @dataclass
@@ -135,6 +97,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         declared = self.model_config.checkpoint_dtype or stored_dtype(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, declared)
+        self.act_dtype = activation_dtype(self.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.act_dtype)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         mc = self.model_config
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.
@@ -142,9 +106,7 @@ class ModelRunner:
         self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
         weights = load_weights(config.model_dir, mc, self.dtype, str(self.device))
-        self.model = LlamaModel(
-            mc, weights, self.max_model_len, self.dtype, str(self.device), self._fp32_min_rows()
-        )
+        self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, str(self.device))
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
@@ -173,7 +135,7 @@ class ModelRunner:
         self.kv_pool = KVPagePool(self.kv_config, device=self.device)
         self.attn_backend = create_backend(
             self.config.attention_backend,
-            AttentionConfig.of(self.model_config, self.max_model_len),
+            AttentionConfig.of(self.model_config, self.max_model_len, self.act_dtype),
             self.kv_pool,
         )
 
@@ -230,7 +192,7 @@ class ModelRunner:
     def _kv_config(self, mc: ModelConfig, is_warm_up: bool = False) -> KVCacheConfig:
         c = self.config
         probe = KVCacheConfig(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, c.page_size, self.dtype
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, c.page_size, self.kv_dtype
         )
         kv_bytes = c.kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES
         if is_warm_up:  # enough pages for the warm-up's prefill (see _size_pool_from_memory)
@@ -240,16 +202,8 @@ class ModelRunner:
         if num_pages < 1:
             raise ValueError(f"kv_cache_bytes={kv_bytes} is less than one KV page")
         return KVCacheConfig(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, num_pages, c.page_size, self.dtype
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, num_pages, c.page_size, self.kv_dtype
         )
-
-    def _fp32_min_rows(self) -> int | None:
-        if not is_cpu(self.device):
-            return None  # float32 weight copies are a CPU GEMM workaround: never on CUDA
-        rows = self.config.fp32_matmul_min_rows
-        if rows is None:
-            return auto_fp32_min_rows(self.device, self.dtype, self.config.prefills_prompts)
-        return rows or None
 
     def _max_model_len(self, mc: ModelConfig, kv: KVCacheConfig | None) -> int:
         """The configured length (or the model's), capped by positions and ``kv``'s capacity."""

@@ -17,8 +17,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from pdserve.router.config import normalize_worker_url
-from pdserve.router.registration import MIN_TTL_S, DeregistrationMsg, RegistrationMsg
+from pdserve.registration_msg import (
+    MIN_TTL_S,
+    DeregistrationMsg,
+    RegistrationMsg,
+    normalize_worker_url,
+)
 
 logger = logging.getLogger(__name__)
 

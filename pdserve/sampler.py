@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.protocol import TokenLogprob
 from pdserve.kernels.host_copy import HostSample, PendingHostSample
 from pdserve.kernels.logits_processors import logits_processing_for
 from pdserve.kernels.sampling import SamplerOutput, sample
 from pdserve.kernels.sampling_tensors import is_plain_greedy, sampling_tensors_for
 from pdserve.kernels.topk import argmax_rows
 from pdserve.sequence import Sequence
+from pdserve.types import TokenLogprob
 
 
 def sample_step(

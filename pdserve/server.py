@@ -44,9 +44,10 @@ from pdserve.engine.protocol import GenerateOutput, GenerateRequest
 from pdserve.engine.runner_thread import RunnerThread
 from pdserve.identity import advertise_host, http_url
 from pdserve.metrics import EngineCollector, PrometheusObserver, TransferMetrics
+from pdserve.model.fingerprint import weights_fingerprint
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.registration import Registration, RegistrationConfig
-from pdserve.router.registration import RegistrationMsg
+from pdserve.registration_msg import RegistrationMsg
 from pdserve.sampling_params import SamplingParams
 from pdserve.transport import KVReceiver, KVSender, TransportConfig
 from pdserve.transport.layout import layout_fingerprint, layout_of, model_fingerprint
@@ -155,6 +156,7 @@ class Server:
             model=info.model_name,
             dtype=info.dtype,
             kv_layout=info.kv_layout,
+            weights=info.weights,
             engine_id=info.engine_id,
             incarnation=info.incarnation,
             ttl_s=self.config.registration.ttl_s,
@@ -168,7 +170,7 @@ class Server:
         if self.registration is not None:
             await self.registration.deregister()
 
-    def _transport_config(self, runner: ModelRunner) -> TransportConfig:
+    def _transport_config(self, runner: ModelRunner, weights: str) -> TransportConfig:
         tc = self.config.transport or TransportConfig(engine_id=self.config.engine.engine_id)
         # The identity a peer must share: checked at registration with the page layout.
         return replace(
@@ -176,6 +178,7 @@ class Server:
             incarnation=self.incarnation,
             model_name=self.config.engine.model_name,
             model_fingerprint=model_fingerprint(runner.model_config),
+            weights_fingerprint=weights,
         )
 
     async def _start_transport(self, engine: Engine, runner: ModelRunner) -> None:
@@ -184,19 +187,25 @@ class Server:
             engine.free_pages(pages)
 
         role = self.config.role
+        # Which weights this worker serves: one architecture with other weights must not pair.
+        weights = weights_fingerprint(runner.config.model_dir) if role != "colocated" else ""
         if role == "prefill":
             metrics = TransferMetrics(role, self.registry)
-            self.sender = KVSender(self._transport_config(runner), runner.kv_pool, release, metrics)
+            tc = self._transport_config(runner, weights)
+            self.sender = KVSender(tc, runner.kv_pool, release, metrics)
             await self.sender.start()
             engine.attach_handoff(PrefillHandoff(engine, self.sender), self.sender.bootstrap_port)
         elif role == "decode":
-            self.receiver = KVReceiver(self._transport_config(runner), runner.kv_pool, release)
+            tc = self._transport_config(runner, weights)
+            self.receiver = KVReceiver(tc, runner.kv_pool, release)
             await self.receiver.start()
             engine.attach_handoff(DecodeHandoff(engine, self.receiver))
         # Published to routers (/server_info, registration), which pair only equal layouts.
         name = self.config.engine.model_name
         layout = layout_of(runner.kv_pool, name, model_fingerprint(runner.model_config))
-        engine.info = replace(engine.info, dtype=layout.dtype, kv_layout=layout_fingerprint(layout))
+        engine.info = replace(
+            engine.info, dtype=layout.dtype, kv_layout=layout_fingerprint(layout), weights=weights
+        )
 
     def _room_table(self) -> Any:
         transport = self.sender or self.receiver

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import reuse_compare  # noqa: E402
-from bench.reuse_compare import Stream, window_itls  # noqa: E402
+from bench.timed_stream import Stream, has_outlasted, window_itls  # noqa: E402
 from bench.vllm_ref import VllmServer  # noqa: E402
 
 TINY = [
@@ -32,6 +32,14 @@ def test_window_itls_counts_every_gap_that_overlaps_the_prefill_window() -> None
     assert window_itls([s], 2.0, 4.0) == [4.0]
     assert sorted(window_itls([s], 0.5, 5.5)) == [1.0, 1.0, 4.0]
     assert window_itls([Stream(token_times=[3.0])], 0.0, 9.0) == []
+
+
+def test_a_stream_outlasts_another_once_that_one_has_its_first_token_or_ended() -> None:
+    long = Stream()
+    assert not has_outlasted(long, 5.0)  # still prefilling
+    long.token_times.append(4.0)
+    assert not has_outlasted(long, 4.0) and has_outlasted(long, 4.5)
+    assert has_outlasted(Stream(is_done=True), 0.0)  # it failed: nothing to wait for
 
 
 def test_vllm_reference_keeps_prefix_caching_off_unless_asked(tmp_path: Path) -> None:
@@ -81,7 +89,9 @@ def test_both_scenarios_run_on_the_demo_model_and_report_positive_figures(
     assert set(runs) == {"chunked", "unchunked"}
     for run in runs.values():
         assert run["long_len"] == 256
-        assert run["num_window_itls"] > 0  # the streams were still running during its prefill
+        # Every stream ran until after the long prompt's first token, by construction.
+        assert run["streams_running_after_first_token"] == 2
+        assert run["num_window_itls"] >= 2  # so each has a gap overlapping its prefill
         for key in ("long_ttft_ms", "window_itl_p50_ms", "window_itl_p99_ms", "all_itl_p50_ms"):
             assert run[key] > 0, key
     assert runs["chunked"]["max_num_batched_tokens"] == 64

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_gemm, elementwise, rmsnorm
-from pdserve.kernels.linear import Linear, auto_fp32_min_rows
-from pdserve.kernels.paged_decode import load_kernel
+from pdserve.kernels.linear import Linear
+from pdserve.kernels.paged_attention import load_kernel
 from pdserve.launcher import child_specs, cluster_config_from_args, parse_args
-from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.model_runner import ModelRunner
 from pdserve.thread_tuning import should_calibrate
 
 CUDA = torch.device("cuda")
@@ -79,13 +79,6 @@ def test_up_on_the_cpu_keeps_its_lease_and_sends_no_gpu_flags(tmp_path: Path) ->
     assert lease is not None
     assert _flag(workers["decode"], "--device") == "cpu"
     assert "--gpu-memory-utilization" not in workers["decode"]
-
-
-def test_no_float32_weight_copies_on_cuda(tmp_path: Path) -> None:
-    assert auto_fp32_min_rows(CUDA, torch.bfloat16, prefills_prompts=True) is None
-    # Even when asked for explicitly: they only work around CPU bf16 GEMMs.
-    stub = SimpleNamespace(device=CUDA, config=RunnerConfig(str(tmp_path), fp32_matmul_min_rows=8))
-    assert ModelRunner._fp32_min_rows(stub) is None  # type: ignore[arg-type]
 
 
 def test_the_cpp_kernels_never_take_device_tensors() -> None:

@@ -206,3 +206,12 @@ def test_environment_names_are_read_by_pdserve_and_secrets_exist(name: str) -> N
     if name != "pdserve-router":  # both roles: prefills check the token, decodes send it
         ref = env_of(c)[BOOTSTRAP_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "pdserve-bootstrap-token", "key": "token"}
+
+
+def test_routers_stay_ready_on_the_decode_fallback_and_route_by_prefix() -> None:
+    c = container(by_kind("StatefulSet")["pdserve-router"])
+    _, args = parsed_args(c)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    # A fleet that lost every prefill keeps its routers in rotation: the decodes serve.
+    assert args.readiness == "serving" and not args.enforce_disagg
+    assert args.policy == "cache_aware"  # several prefills: prefix affinity (benchmarks.md)

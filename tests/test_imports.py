@@ -1,5 +1,7 @@
 """The modules of pdserve import each other without a circle (checked on the source, so every
-import counts, also the ones inside functions that a test run may never reach)."""
+import counts: the ones inside functions that a test run may never reach, and the ones under
+``if TYPE_CHECKING:`` too, since a pair of modules naming each other's types is one job split in
+two files that still reach into each other)."""
 
 from __future__ import annotations
 
@@ -22,21 +24,12 @@ def module_files(root: Path = PACKAGE_DIR) -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking_block(node: ast.AST) -> bool:
-    # Imports under `if TYPE_CHECKING:` never run: a pair of modules naming each other's types
-    # is not an import circle.
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _imported_names(tree: ast.AST, package: str) -> list[str]:
-    """Every module (or module.attribute) that ``tree`` imports, absolute, outside type checks."""
+    """Every module (or module.attribute) that ``tree`` imports, absolute, type checks included."""
     names: list[str] = []
     todo = [tree]
     while todo:
         node = todo.pop()
-        if _is_type_checking_block(node):
-            todo.extend(node.orelse)  # type: ignore[attr-defined]
-            continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -101,17 +94,121 @@ def test_the_check_finds_a_circle_through_a_function_level_import(tmp_path: Path
     (pkg / "__init__.py").write_text("")
     (pkg / "top.py").write_text("def main():\n    from pkg.low import helper\n")
     (pkg / "low.py").write_text("from pkg import top\nhelper = 1\n")
-    (pkg / "types_only.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.low import helper\n"
-    )
     graph = import_graph(module_files(pkg))
     assert find_cycle(graph) == ["pkg.low", "pkg.top", "pkg.low"]
-    assert graph["pkg.types_only"] == set()
     del graph["pkg.top"]
     assert find_cycle(graph) is None
+
+
+def test_the_check_finds_a_circle_through_a_type_checking_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "owner.py").write_text("from pkg.part import Part\n")
+    (pkg / "part.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.owner import Owner\n"
+    )
+    graph = import_graph(module_files(pkg))
+    assert graph["pkg.part"] == {"pkg.owner"}
+    assert find_cycle(graph) == ["pkg.owner", "pkg.part", "pkg.owner"]
 
 
 def test_only_the_entry_point_imports_the_top_command_module() -> None:
     graph = import_graph(module_files())
     importers = {name for name, targets in graph.items() if "pdserve.cli" in targets}
     assert importers == {"pdserve.__main__"}
+
+
+def _unit(module: str) -> str:
+    """The top-level part of pdserve a module belongs to: ``pdserve.kernels.rope`` -> kernels."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+# Compute, transfer and plain types: what the serving layers are built from. None of it may import
+# a serving layer back (docs/architecture.md, "Dependency direction").
+LOWER = {
+    "attention", "device", "envs", "fsm", "grammar", "identity", "kernels", "kv_sizing",
+    "lifetime", "model",
+    "model_runner", "registration_msg", "runner_config", "sampler", "sampling_params", "sequence",
+    "thread_tuning", "transport", "types",
+}  # fmt: skip
+SERVING = {
+    "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher", "llm",
+    "metrics", "registration", "router", "server",
+}  # fmt: skip
+WORKER = {"api", "engine", "llm", "registration", "server"}  # never the router's code
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that point up: a lower part importing a serving layer, a worker part importing
+    the router, ``fsm`` importing anything of ours, the HTTP layer seeing more of the engine
+    than ``engine.protocol``."""
+    bad = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            src, dst = _unit(name), _unit(target)
+            if src == dst or dst == "pdserve":
+                continue
+            if (
+                (src in LOWER and dst in SERVING)
+                or (src in WORKER and dst == "router")
+                or src == "fsm"
+                or (src == "api" and dst == "engine" and target != "pdserve.engine.protocol")
+            ):
+                bad.append(f"{name} -> {target}")
+    return bad
+
+
+def test_imports_point_down_the_layers() -> None:
+    graph = import_graph(module_files())
+    units = {_unit(name) for name in graph} - {"pdserve", "__main__"}
+    assert units <= LOWER | SERVING, f"place these in LOWER or SERVING: {units - LOWER - SERVING}"
+    assert layering_violations(graph) == []
+
+
+def test_the_layering_check_finds_an_import_that_points_up() -> None:
+    graph = {
+        "pdserve.kernels.prompt_logprobs": {"pdserve.engine.protocol", "pdserve.sequence"},
+        "pdserve.server": {"pdserve.router.registration", "pdserve.registration_msg"},
+        "pdserve.api.app": {"pdserve.engine.protocol", "pdserve.engine.engine"},
+    }
+    assert layering_violations(graph) == [
+        "pdserve.api.app -> pdserve.engine.engine",
+        "pdserve.kernels.prompt_logprobs -> pdserve.engine.protocol",
+        "pdserve.server -> pdserve.router.registration",
+    ]
+
+
+def environment_reads(path: Path) -> list[int]:
+    """Lines of ``path`` that read or change environment variables (``os.environ``,
+    ``os.getenv``, ``os.putenv``, or those names imported from ``os``)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+            and node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv")
+        ) or (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "os"
+            and any(a.name in ("environ", "getenv", "putenv") for a in node.names)
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_envs_reads_environment_variables() -> None:
+    readers = {
+        name: lines
+        for name, path in module_files().items()
+        if name != "pdserve.envs" and (lines := environment_reads(path))
+    }
+    assert readers == {}
+
+
+def test_the_environment_check_sees_environ_and_getenv(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text("import os\nfrom os import getenv\nx = os.environ.get('PATH')\nos.getpid()\n")
+    assert environment_reads(path) == [2, 3]

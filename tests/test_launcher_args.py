@@ -120,3 +120,29 @@ def test_prefix_caching_and_chunked_prefill_are_on_unless_turned_off(tmp_path) -
     assert worker.prefix_caching and worker.chunked_prefill
     vllm_names = _serve_parse(["--max-num-batched-tokens", "256", "--no-enable-prefix-caching"])
     assert vllm_names.max_prefill_tokens == 256 and not vllm_names.prefix_caching
+
+
+def test_per_role_counts_start_that_many_workers_on_their_own_ports(tmp_path) -> None:
+    argv = ["--model", str(tmp_path), "--num-prefill", "2", "--num-decode", "3",
+            "--policy", "cache_aware"]  # fmt: skip
+    specs = {name: (argv, url) for name, argv, url in child_specs(cluster_config_from_args(
+        parse_args(argv)))}  # fmt: skip
+    assert list(specs) == ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "router"]
+    workers = {name: _serve_parse(a[1:]) for name, (a, _) in specs.items() if name != "router"}
+    assert [w.port for w in workers.values()] == [30001, 30011, 30002, 30012, 30022]
+    assert [workers[f"prefill-{i}"].bootstrap_port for i in range(2)] == [8998, 8999]
+    router_argv = specs["router"][0]
+    assert router_argv[router_argv.index("--policy") + 1] == "cache_aware"
+    named = [
+        router_argv[i + 1] for i, a in enumerate(router_argv) if a in ("--prefill", "--decode")
+    ]
+    assert named == [url for name, (_, url) in specs.items() if name != "router"]
+
+
+def test_counts_whose_ports_collide_are_refused(tmp_path, capsys) -> None:
+    from pdserve import launcher  # noqa: PLC0415
+
+    # The second prefill would take the router's port.
+    argv = ["--model", str(tmp_path), "--num-prefill", "2", "--router-port", "30011"]
+    assert launcher.main(argv) == 2
+    assert "share a port" in capsys.readouterr().err

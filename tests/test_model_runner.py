@@ -282,26 +282,6 @@ def test_decode_thread_calibration_keeps_its_choice_and_tokens_do_not_depend_on_
     assert greedy_tokens(1) == greedy_tokens(2)
 
 
-def test_a_decode_only_runner_makes_no_float32_weight_copies(checkpoint: Path) -> None:
-    """bf16 where the bf16 kernel runs: a runner that prefills prompts keeps float32 copies for
-    its many-row batches; one that never does (the decode role) keeps only the packed weights,
-    and computes the same greedy tokens."""
-    cfg = RunnerConfig(str(checkpoint), dtype="bfloat16", page_size=PAGE_SIZE, num_pages=64)
-    both = ModelRunner(cfg)
-    if both.model.lm_head.weight_f32 is None:
-        pytest.skip("no float32 copies on this CPU (no kernel, or native bf16 matmul)")
-    decode_only = ModelRunner(dataclasses.replace(cfg, prefills_prompts=False))
-    model = decode_only.model
-    projections = [
-        p for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-    ]
-    assert all(p.weight_f32 is None for p in [model.lm_head, *projections])
-    assert model.num_extra_bytes < both.model.num_extra_bytes
-    book = PageBook()
-    tokens = [r.prefill([book.seq("a", [5, 6, 7, 8, 9])]).token_ids for r in (both, decode_only)]
-    assert tokens[0] == tokens[1]
-
-
 def test_a_float32_checkpoint_runs_in_float32_by_default(
     checkpoint: Path, runner: ModelRunner
 ) -> None:

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 
 from pdserve.registration import Registration, RegistrationConfig
+from pdserve.registration_msg import RegistrationMsg
 from pdserve.router import Router
-from pdserve.router.registration import RegistrationMsg
 from tests.router.conftest import TEST_CONFIG, FakeWorker, KVBoard, _wait_until
 
 FAST = RegistrationConfig(router_urls=("http://127.0.0.1:1",), interval_s=0.05, ttl_s=1.0)

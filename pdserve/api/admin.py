@@ -82,6 +82,7 @@ async def server_info(request: web.Request) -> web.Response:
             "max_model_len": info.max_model_len,
             "dtype": info.dtype,
             "kv_layout": info.kv_layout,
+            "weights": info.weights,
             "extra": info.extra,
             # What the router's health probe weighs workers by (router/workers.py WorkerLoad).
             "load": {**ctx.engine.load(), "draining": ctx.drain.is_draining},

@@ -40,12 +40,17 @@ class AttentionConfig:
     head_dim: int
     sliding_window: int | None
     max_model_len: int
+    # The dtype of queries, new K/V and outputs (the model's activations); None: the pool's.
+    # float32 over a bf16 pool on CPUs: the new K/V are rounded once, when stored.
+    act_dtype: torch.dtype | None = None
 
     @classmethod
-    def of(cls, model: ModelConfig, max_model_len: int) -> AttentionConfig:
+    def of(
+        cls, model: ModelConfig, max_model_len: int, act_dtype: torch.dtype | None = None
+    ) -> AttentionConfig:
         return cls(
             model.num_heads, model.num_kv_heads, model.head_dim, model.sliding_window,
-            max_model_len,
+            max_model_len, act_dtype,
         )  # fmt: skip
 
     @property

@@ -1,6 +1,6 @@
 """The CPU backend: decode through the C++ paged kernel, extend as the torch reference.
 
-The kernel (:mod:`pdserve.kernels.paged_decode`) walks each sequence's pages in place and
+The kernel (:mod:`pdserve.kernels.paged_attention`) walks each sequence's pages in place and
 stores the step's new K/V itself: no page gather, no key mask, nothing to prepare per forward.
 """
 
@@ -11,12 +11,16 @@ import torch
 from pdserve.attention.backend import AttentionConfig
 from pdserve.attention.torch_backend import TorchAttentionBackend
 from pdserve.kernels.kv_cache import KVPagePool
-from pdserve.kernels.paged_decode import load_kernel, paged_decode_attention
+from pdserve.kernels.paged_attention import (
+    load_kernel,
+    paged_decode_attention,
+    paged_extend_attention,
+)
 from pdserve.model.forward_batch import ForwardBatch
 
 
 class CppAttentionBackend(TorchAttentionBackend):
-    """C++ decode kernel (CPU, float32/bf16, head_dim a multiple of 16); torch extend."""
+    """The C++ kernel for every row (CPU, float32/bf16 pool, head_dim a multiple of 16)."""
 
     name = "cpp"
 
@@ -29,6 +33,15 @@ class CppAttentionBackend(TorchAttentionBackend):
 
     def init_decode_metadata(self, batch: ForwardBatch) -> None:
         pass  # the kernel reads the lengths and the block table itself
+
+    def forward_extend(
+        self, layer: int, q: torch.Tensor, new_kv: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert batch.seq_of_row is not None
+        return paged_extend_attention(
+            self._kernel, q, self.layer_pools[layer], batch.block_table, batch.seq_of_row,
+            batch.positions, self.config.scale, self.config.sliding_window, new_kv,
+        )  # fmt: skip
 
     def forward_decode(
         self, layer: int, q: torch.Tensor, new_kv: torch.Tensor, batch: ForwardBatch

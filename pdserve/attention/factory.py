@@ -11,7 +11,7 @@ import torch
 from pdserve.attention.backend import AttentionBackend, AttentionConfig
 from pdserve.kernels import triton as triton_kernels
 from pdserve.kernels.kv_cache import KVPagePool
-from pdserve.kernels.paged_decode import load_kernel
+from pdserve.kernels.paged_attention import load_kernel
 
 BACKENDS = ("auto", "torch", "cpp", "triton")
 

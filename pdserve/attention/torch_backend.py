@@ -31,7 +31,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, config: AttentionConfig, kv_pool: KVPagePool) -> None:
         super().__init__(config, kv_pool)
-        device, dtype = kv_pool.kv.device, kv_pool.config.dtype
+        device = kv_pool.kv.device
+        dtype = config.act_dtype or kv_pool.config.dtype  # the queries' (SDPA masks match it)
         # Reused by every step's key mask (read only).
         max_keys = config.max_model_len + self.page_size
         self._key_positions = torch.arange(max_keys, device=device)
@@ -68,10 +69,12 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert batch.prefill_seqs is not None
         pool = self.layer_pools[layer]
-        write_layer_kv(pool, batch.page_idx, batch.page_offset, new_kv)
+        stored = new_kv.to(pool.dtype)
+        write_layer_kv(pool, batch.page_idx, batch.page_offset, stored)
         k_cache, v_cache = pool.unbind(1)
+        kv = stored.to(q.dtype)  # attend to the keys as the pool holds them
         return prefill_attention(
-            q, new_kv[:, 0], new_kv[:, 1], batch.prefill_seqs, k_cache, v_cache,
+            q, kv[:, 0], kv[:, 1], batch.prefill_seqs, k_cache, v_cache,
             self.config.scale, self.config.sliding_window,
         )  # fmt: skip
 
@@ -79,7 +82,10 @@ class TorchAttentionBackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, new_kv: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         assert self._context is not None, "init_forward_metadata was not called"
-        write_layer_kv(self.layer_pools[layer], batch.page_idx, batch.page_offset, new_kv)
+        pool = self.layer_pools[layer]
+        stored = new_kv.to(pool.dtype)
+        write_layer_kv(pool, batch.page_idx, batch.page_offset, stored)
         # The context was copied before the first layer: the new tokens are added to the copy.
-        keys, values = self._context.layer(layer, new_kv)
+        keys, values = self._context.layer(layer, stored)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         return decode_attention(q, keys, values, self._key_mask, self.config.scale)

@@ -40,15 +40,15 @@ class TritonAttentionBackend(AttentionBackend):
         )
         self._static_workspace: torch.Tensor | None = None
         self._workspace: torch.Tensor | None = None
-        self._num_splits = 1
+        # One split count for every step: a sequence's bits never depend on its batch size.
+        self._num_splits = num_splits_for(config.num_kv_heads, self.num_sms)
 
-    def _splits_and_floats(self, num_seqs: int) -> tuple[int, int]:
+    def _workspace_floats(self, num_seqs: int) -> int:
         c = self.config
-        splits = num_splits_for(num_seqs, c.num_kv_heads, self.num_sms)
-        return splits, workspace_floats(num_seqs, c.num_heads, splits, c.head_dim)
+        return workspace_floats(num_seqs, c.num_heads, self._num_splits, c.head_dim)
 
     def init_decode_metadata(self, batch: ForwardBatch) -> None:
-        self._num_splits, floats = self._splits_and_floats(batch.num_seqs)
+        floats = self._workspace_floats(batch.num_seqs)
         self._workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
 
     def forward_extend(
@@ -78,13 +78,11 @@ class TritonAttentionBackend(AttentionBackend):
     # ----- CUDA graph hooks -------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_num_seqs: int) -> None:
-        floats = max(self._splits_and_floats(n)[1] for n in range(1, max_num_seqs + 1))
+        floats = self._workspace_floats(max_num_seqs)
         self._static_workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         assert self._static_workspace is not None, "init_cuda_graph_state was not called"
-        # The split count is baked into the captured launch: it depends on the bucket only.
-        self._num_splits = self._splits_and_floats(batch.num_seqs)[0]
         self._workspace = self._static_workspace
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:

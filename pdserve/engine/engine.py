@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pdserve.engine.admission import new_request
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
-from pdserve.engine.output import OutputState
+from pdserve.engine.handoff import Handoff
 from pdserve.engine.page_frees import PageFrees
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.protocol import (
@@ -35,17 +35,13 @@ from pdserve.engine.step_output import StepOutputs
 from pdserve.engine.warmup import warm_up
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY
-from pdserve.sequence import Sequence
+from pdserve.model_runner import ModelRunner
 from pdserve.thread_tuning import should_calibrate
-
-if TYPE_CHECKING:
-    from pdserve.engine.handoff import Handoff
-    from pdserve.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(StepOutputs):
+class Engine:
     """Implements :class:`~pdserve.engine.protocol.EngineClient`; its step results are
     committed by :class:`~pdserve.engine.step_output.StepOutputs`."""
 
@@ -83,8 +79,7 @@ class Engine(StepOutputs):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._frees = PageFrees(self.allocator, self._on_pages_freed)
-        # Deltas of the last step for requests that go on: emitted while the next step computes.
-        self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
+        self.steps = StepOutputs(runner, self.scheduler, self)  # runs and commits each step
         self._ready = False
         self._idle = asyncio.Event()  # set while no request is admitted (a drain waits on it)
         self._idle.set()
@@ -165,22 +160,11 @@ class Engine(StepOutputs):
             raise EngineError(
                 f"request id {request.request_id!r} is already in flight", 409, "conflict_error"
             )
-        sp = request.sampling
-        if sp.seed is None:
-            sp.seed = random.getrandbits(62)
-        num_prompt = len(request.prompt_token_ids)
-        need = self.runner.kv_config.pages_for(
-            min(num_prompt + sp.max_tokens, self.info.max_model_len)
-        )
-        if need > self.allocator.num_pages:
-            raise EngineError(
-                f"request needs {need} KV pages, the cache holds {self.allocator.num_pages}",
-                400, "invalid_request_error", "context_length_exceeded",
-            )  # fmt: skip
-        seq = Sequence(request.request_id, list(request.prompt_token_ids), num_prompt, sp)
-        seq.grammar = request.grammar
-        req = Request(request.request_id, seq, request.kv_transfer, resume=request.resume)
-        req.out_state = OutputState(req.request_id, seq, self.tokenizer, self.info.max_model_len)
+        req = new_request(
+            request, self.runner.kv_config, self.allocator.num_pages, self.info.max_model_len,
+            self.tokenizer,
+        )  # fmt: skip
+        sp, num_prompt = req.seq.sampling, req.seq.num_prompt_tokens
         self._requests[req.request_id] = req
         self._idle.clear()
         self.observer.on_arrival(req)
@@ -217,18 +201,18 @@ class Engine(StepOutputs):
             if self.handoff is not None:
                 self.handoff.on_pages_freed()  # arrivals may go once no preempted request waits
             if batch is None:
-                if self._deferred_emits:
-                    self._emit_deferred()  # may end requests and free pages: schedule again
+                if self.steps.has_deferred:
+                    self.steps.emit_deferred()  # may end requests and free pages: schedule again
                     continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             seqs = (batch.decode, batch.prefill_seqs())
             self._frees.begin_step()
-            fut = self._runner_thread.submit(self._step, seqs)
+            fut = self._runner_thread.submit(self.steps.run, seqs)
             # Overlap: the previous step's detokenization, stop-string checks and streaming run
             # on the loop while the runner thread computes this step.
-            self._emit_deferred()
+            self.steps.emit_deferred()
             kv_ready = ALWAYS_READY  # a failed step: what it queued on the device is not known
             try:
                 out = await fut
@@ -240,7 +224,7 @@ class Engine(StepOutputs):
                 continue
             finally:
                 self._frees.end_step(kv_ready)
-            self._apply(batch, out.decode, out.prefill)
+            self.steps.apply(batch, out.decode, out.prefill)
 
     # ---- outputs and endings ---------------------------------------------------------------
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
@@ -260,20 +244,15 @@ class Engine(StepOutputs):
         seq = req.seq
         seq.num_cached_tokens = seq.num_tokens
         self.prefix_cache.register(seq, req.page_keys)  # the prompt's full pages, for reuse
-        is_replayed = bool(req.replay)
-        first_token = req.replay.popleft() if is_replayed else first_token  # the same one
         seq.token_ids.append(first_token)
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
         # The prefill sampled it under the same grammar: this matcher continues from there.
         if seq.grammar is not None:
-            if not self._advance_grammar(req, first_token):
+            if not self.steps.advance_grammar(req, first_token):
                 return
             seq.grammar.prefetch()
-        if is_replayed:
-            req.out_state.replay(first_token, req.resume)
-        else:
-            self.emit(req, [first_token], [logprob] if logprob is not None else None)
+        self.emit(req, [first_token], [logprob] if logprob is not None else None)
         if not req.is_finished:
             self.scheduler.add_running(req)
             self._wake.set()
@@ -395,6 +374,7 @@ class Engine(StepOutputs):
         return {
             **self.count_by_state(),
             "num_requests": len(self._requests),
+            "waiting_prompt_tokens": self.scheduler.num_prompt_tokens_queued(),
             "free_pages": alloc.num_available,
             "total_pages": alloc.num_pages,
             "page_size": self.runner.kv_config.page_size,

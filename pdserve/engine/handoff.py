@@ -12,13 +12,13 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.handoff_host import HandoffHost
 from pdserve.engine.protocol import EngineError, TokenLogprob
 from pdserve.engine.request import Request, RequestState
 from pdserve.fsm import DuplicateRoomError, Room, RoomOutcome, RoomState
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
 
-if TYPE_CHECKING:
-    from pdserve.engine.engine import Engine
+if TYPE_CHECKING:  # not loaded for the colocated role and the offline API (no NIXL there)
     from pdserve.transport import KVReceiver, KVSender
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def _duplicate(room_id: str) -> EngineError:
 
 
 class Handoff:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: HandoffHost) -> None:
         self.engine = engine
 
     def admit(self, req: Request) -> None:
@@ -85,7 +85,7 @@ class Handoff:
 class PrefillHandoff(Handoff):
     """Prefill role: open the room on arrival, send the KV after prefill, end with the room."""
 
-    def __init__(self, engine: Engine, sender: KVSender) -> None:
+    def __init__(self, engine: HandoffHost, sender: KVSender) -> None:
         super().__init__(engine)
         self.sender = sender
 
@@ -135,7 +135,7 @@ class PrefillHandoff(Handoff):
 class DecodeHandoff(Handoff):
     """Decode role: lend pages to a room, wait for the KV, then join the decode batch."""
 
-    def __init__(self, engine: Engine, receiver: KVReceiver) -> None:
+    def __init__(self, engine: HandoffHost, receiver: KVReceiver) -> None:
         super().__init__(engine)
         self.receiver = receiver
         self._pending: deque[Request] = deque()  # admitted, waiting for free pages

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.types import TokenLogprob as TokenLogprob  # part of what the engine streams
 
 if TYPE_CHECKING:
     from pdserve.grammar.matcher import GrammarMatcher
@@ -48,13 +49,6 @@ class GenerateRequest:
     deadline_s: float | None = None  # overall request deadline, relative to admission
     grammar: GrammarMatcher | None = None  # structured output: this stream's own matcher
     resume: ResumeState | None = None  # migrated: continue after these generated tokens
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -98,6 +92,7 @@ class EngineInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""  # KV dtype, e.g. "bfloat16" (routers pair only equal ones)
     kv_layout: str = ""  # transport.layout.layout_fingerprint of the page pool
+    weights: str = ""  # model.fingerprint.weights_fingerprint (prefill and decode roles)
 
 
 class TokenizerLike(Protocol):

@@ -8,7 +8,6 @@ import asyncio
 import enum
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,14 +69,8 @@ class Request:
     num_cached_prompt_tokens: int | None = None  # prompt tokens its first prefill found cached
     prompt_logprobs: list[TokenLogprob | None] | None = None  # until the first delta takes them
     outputs: OutputMailbox = field(default_factory=OutputMailbox)
-    # A migrated request replays the tokens another worker streamed, one step each, in place
-    # of what it samples: the K/V and the sampler state then match that worker's exactly.
+    # A migrated request: the tokens another worker streamed are already in its sequence.
     resume: ResumeState | None = None
-    replay: deque[int] = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        if self.resume is not None:
-            self.replay.extend(self.resume.token_ids)
 
     @property
     def room_id(self) -> str | None:

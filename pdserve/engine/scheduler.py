@@ -107,6 +107,12 @@ class Scheduler:
                 queue.remove(req)
                 return
 
+    def num_prompt_tokens_queued(self) -> int:
+        """Prompt tokens still to prefill (waiting requests whole, the rest of partly prefilled
+        ones): the backlog a router's admission check weighs against a new prompt."""
+        waiting = sum(r.seq.num_tokens for r in self.waiting)
+        return waiting + sum(r.seq.num_tokens - r.seq.num_cached_tokens for r in self.prefilling)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running or self.ready)
 

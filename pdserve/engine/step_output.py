@@ -1,31 +1,26 @@
 """The engine's step results: run a step's forward, then commit its tokens to their requests.
 
-:class:`StepOutputs` is a part of :class:`~pdserve.engine.engine.Engine` kept in its own file
-(the way SGLang's scheduler keeps its output processing in a mixin): the engine loop submits
-:meth:`StepOutputs._step` to the runner thread and, on the loop, hands its result to
-:meth:`StepOutputs._apply`. Deltas of requests that go on are deferred and emitted while the next
-step computes (:meth:`StepOutputs._emit_deferred`); a step's constrained rows have their next
-grammar masks filled meanwhile (pdserve.grammar.filler).
+The engine loop submits :meth:`StepOutputs.run` to the runner thread and, on the loop, hands its
+result to :meth:`StepOutputs.apply`. Deltas of requests that go on are deferred and emitted while
+the next step computes (:meth:`StepOutputs.emit_deferred`); a step's constrained rows have their
+next grammar masks filled meanwhile (pdserve.grammar.filler). It sees of the engine only the
+runner, the scheduler and :class:`StepHooks` (emit, fail, disarm, the hand-off).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
+from pdserve.engine.handoff import Handoff
 from pdserve.engine.protocol import EngineError, TokenLogprob
 from pdserve.engine.request import Request, RequestState
-from pdserve.engine.scheduler import Batch
+from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.grammar.matcher import prefetch_all
 from pdserve.kernels.kv_ready import KVReady
 from pdserve.kernels.prompt_logprobs import PromptLogprobs
-from pdserve.model_runner import RunnerOutput
+from pdserve.model_runner import ModelRunner, RunnerOutput
 from pdserve.sequence import Sequence
-
-if TYPE_CHECKING:
-    from pdserve.engine.handoff import Handoff
-    from pdserve.engine.scheduler import Scheduler
-    from pdserve.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -38,27 +33,33 @@ class StepOutput(NamedTuple):
     kv_ready: KVReady
 
 
+class StepHooks(Protocol):
+    """What a step's commit calls back in the engine."""
+
+    handoff: Handoff | None  # attached after the engine was built
+
+    def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None: ...
+
+    def fail(self, req: Request, error: EngineError) -> None: ...
+
+    def disarm(self, req: Request) -> None: ...
+
+
 class StepOutputs:
-    """Step execution and token commit of :class:`~pdserve.engine.engine.Engine` (its
-    ``runner``, ``scheduler``, ``handoff``, timers and outputs; see the module doc)."""
+    """Step execution and token commit for one engine (see the module doc)."""
 
-    runner: ModelRunner
-    scheduler: Scheduler
-    handoff: Handoff | None
-    # Deltas of the last step for requests that go on: emitted while the next step computes.
-    _deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]]
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, hooks: StepHooks) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.hooks = hooks
+        # Deltas of the last step for requests that go on: emitted while the next step computes.
+        self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
 
-    if TYPE_CHECKING:  # the engine's, used here
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._deferred_emits)
 
-        def emit(
-            self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None
-        ) -> None: ...
-
-        def _fail(self, req: Request, error: EngineError) -> None: ...
-
-        def disarm(self, req: Request) -> None: ...
-
-    def _step(self, seqs: tuple[list[Request], list[Sequence]]) -> StepOutput:
+    def run(self, seqs: tuple[list[Request], list[Sequence]]) -> StepOutput:
         """Runner thread: one forward for the step. A mixed step's decode rows ride in the
         prompt chunks' forward (:meth:`ModelRunner.mixed`): the weights are read once for both."""
         decode, prefill = seqs
@@ -77,10 +78,10 @@ class StepOutputs:
             out.kv_ready,
         )  # fmt: skip
 
-    def _apply(self, batch: Batch, dec: RunnerOutput | None, pre: RunnerOutput | None) -> None:
+    def apply(self, batch: Batch, dec: RunnerOutput | None, pre: RunnerOutput | None) -> None:
         """Commit a step's tokens. Requests that end with this token (stop token, length) are
         finished now so the next step leaves them out; the others' deltas are deferred to
-        :meth:`_emit_deferred`, which runs once the next step is submitted. A prefill row that
+        :meth:`emit_deferred`, which runs once the next step is submitted. A prefill row that
         was not its prompt's last chunk only advances its cached count: its sampled token is
         discarded and never reaches the grammar or the client."""
         if dec is not None:
@@ -122,31 +123,28 @@ class StepOutputs:
                 req.prompt_logprobs = plp  # goes out with the first delta
             seq = req.seq
             seq.num_cached_tokens = seq.num_tokens
-            is_replayed = bool(req.replay)
-            tok = req.replay.popleft() if is_replayed else tok
             seq.token_ids.append(tok)
-            if seq.grammar is not None and not self._advance_grammar(req, tok):
+            if seq.grammar is not None and not self.advance_grammar(req, tok):
                 continue
             if kv_ready is not None:  # a prefill row
-                if self.handoff is not None and self.handoff.on_prefilled(req, tok, lp, kv_ready):
+                handoff = self.hooks.handoff
+                if handoff is not None and handoff.on_prefilled(req, tok, lp, kv_ready):
                     continue
                 if req.state is RequestState.WAITING:
                     req.move(RequestState.RUNNING, "prefilled")
-                    self.disarm(req)
+                    self.hooks.disarm(req)
                     self.scheduler.add_running(req)
             if seq.grammar is not None:
                 constrained.append(req)
             lps = [lp] if lp is not None else None
-            if is_replayed:
-                req.out_state.replay(tok, req.resume)
-            elif req.out_state.is_final(tok):
-                self.emit(req, [tok], lps)
+            if req.out_state.is_final(tok):
+                self.hooks.emit(req, [tok], lps)
             else:
                 deferred.append((req, tok, lps))
         if constrained:  # one hand-off to the filler thread for the step's rows
             prefetch_all([r.seq.grammar for r in constrained if not r.is_finished])
 
-    def _advance_grammar(self, req: Request, token: int) -> bool:
+    def advance_grammar(self, req: Request, token: int) -> bool:
         """Move the request's matcher past ``token``; a rejected token fails the request (the
         mask allowed it, so the matcher is in error: out of its parser limits)."""
         grammar = req.seq.grammar
@@ -155,13 +153,15 @@ class StepOutputs:
             return True
         reason = grammar.error or f"token {token} rejected"
         logger.info("req=%s grammar failed: %s", req.request_id, reason)
-        self._fail(req, EngineError(f"structured output failed: {reason}", 500, "internal_error"))
+        self.hooks.fail(
+            req, EngineError(f"structured output failed: {reason}", 500, "internal_error")
+        )
         return False
 
-    def _emit_deferred(self) -> None:
+    def emit_deferred(self) -> None:
         if not self._deferred_emits:
             return
         items, self._deferred_emits = self._deferred_emits, []
         for req, tok, lps in items:
             if not req.is_finished:  # an abort or deadline may have ended it since
-                self.emit(req, [tok], lps)
+                self.hooks.emit(req, [tok], lps)

@@ -18,15 +18,28 @@ import logging
 import os
 import queue
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import llguidance
 import torch
 
-if TYPE_CHECKING:
-    from pdserve.grammar.matcher import GrammarMatcher
-
 logger = logging.getLogger(__name__)
+
+
+class Fillable(Protocol):
+    """What the filler needs of a matcher (:class:`~pdserve.grammar.matcher.GrammarMatcher`)."""
+
+    @property
+    def bitmask_words(self) -> int: ...
+
+    @property
+    def llguidance_matcher(self) -> llguidance.LLMatcher: ...
+
+    def fill_now(self) -> None:
+        """Fill the mask on this thread and end the fill."""
+
+    def end_fill(self, error: str | None, row: torch.Tensor | None = None) -> None:
+        """The fill ended (``row``: the filled mask; ``error``: why there is none)."""
 
 
 class MaskFiller:
@@ -34,14 +47,14 @@ class MaskFiller:
 
     def __init__(self, name: str = "pdserve-grammar-fill") -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[list[GrammarMatcher]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[Fillable]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pid: int | None = None  # the process whose worker thread runs
         self._executor: llguidance.LLExecutor | None = None  # made on the first batch of 2+
 
-    def submit(self, matchers: list[GrammarMatcher]) -> None:
+    def submit(self, matchers: list[Fillable]) -> None:
         """Queue the fills of ``matchers``; each one's state is the worker's until its fill
-        ends (:meth:`GrammarMatcher.end_fill`)."""
+        ends (:meth:`Fillable.end_fill`)."""
         if self._pid != os.getpid():  # first use, or a forked child (no thread, no Rust pool)
             with self._lock:
                 if self._pid != os.getpid():
@@ -65,13 +78,13 @@ class MaskFiller:
                 for m in batch:
                     m.end_fill("bitmask fill failed")
 
-    def _fill(self, batch: list[GrammarMatcher]) -> None:
+    def _fill(self, batch: list[Fillable]) -> None:
         if len(batch) > 1 and self._fill_parallel(batch):
             return
         for m in batch:
             m.fill_now()
 
-    def _fill_parallel(self, batch: list[GrammarMatcher]) -> bool:
+    def _fill_parallel(self, batch: list[Fillable]) -> bool:
         """All of ``batch`` by llguidance's executor; False (nothing ended) when it cannot."""
         words = batch[0].bitmask_words
         if any(m.bitmask_words != words for m in batch):

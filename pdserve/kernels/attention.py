@@ -108,8 +108,8 @@ def prefill_attention(
             ks, vs = k[rows], v[rows]
         else:
             total = s.num_cached + s.num_new
-            ks = gather_kv(k_cache, s.page_ids, total)
-            vs = gather_kv(v_cache, s.page_ids, total)
+            ks = gather_kv(k_cache, s.page_ids, total).to(q.dtype)
+            vs = gather_kv(v_cache, s.page_ids, total).to(q.dtype)
         mask = None
         if s.num_cached or sliding_window is not None:
             mask = causal_mask(s.num_cached, s.num_new, sliding_window, q.device)

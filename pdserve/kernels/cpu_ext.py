@@ -10,7 +10,7 @@ only load it. Where it cannot be built (no compiler) or the CPU has no AVX2, :fu
 returns None and every caller falls back to torch.
 
 What the module holds: the bf16-weight matmul (:mod:`pdserve.kernels.cpu_gemm`), paged decode
-attention (:mod:`pdserve.kernels.paged_decode`), fused RMSNorm (:mod:`pdserve.kernels.rmsnorm`)
+attention (:mod:`pdserve.kernels.paged_attention`), fused RMSNorm (:mod:`pdserve.kernels.rmsnorm`)
 and grammar masks on logits (:mod:`pdserve.kernels.logits_processors`).
 """
 
@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from pdserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +129,7 @@ def _compile_into(final: Path) -> None:
 def _put_ninja_on_path() -> None:
     """torch runs ``ninja`` from PATH; pip's ``ninja`` package puts it beside the venv's python."""
     if shutil.which("ninja") is None:
-        os.environ["PATH"] = (
-            f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        )
+        envs.prepend_to_path(str(Path(sys.executable).parent))
 
 
 def import_library(path: Path) -> types.ModuleType:

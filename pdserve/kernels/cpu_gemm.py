@@ -1,4 +1,4 @@
-"""The AVX2 bf16-weight matmul for decode-sized inputs (csrc/bf16_gemm.cpp).
+"""The AVX2 dense-weight (bf16 or float32) matmul for every row count (csrc/dense_gemm.cpp).
 
 The kernel lives in the C++ CPU module of :mod:`pdserve.kernels.cpu_ext` (built once per
 machine). ``python -m pdserve.kernels.cpu_gemm`` builds that module ahead of time (``make
@@ -15,8 +15,8 @@ import torch
 from pdserve.kernels import cpu_ext
 
 
-class PackedBF16Weight:
-    """A ``(N, K)`` bf16 weight packed for the kernel; call it on ``(M, K)`` rows."""
+class PackedDenseWeight:
+    """A ``(N, K)`` bf16 or float32 weight packed for the kernel; call it on ``(M, K)`` rows."""
 
     def __init__(self, module: types.ModuleType, weight: torch.Tensor) -> None:
         self._module = module
@@ -37,12 +37,13 @@ class PackedBF16Weight:
         return self.packed.numel() * self.packed.element_size()
 
 
-def pack_for_kernel(weight: torch.Tensor) -> PackedBF16Weight | None:
-    """Packs a CPU bf16 weight when the kernel runs here, else None (use torch)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+def pack_for_kernel(weight: torch.Tensor) -> PackedDenseWeight | None:
+    """Packs a CPU bf16 or float32 weight when the kernel runs here, else None (use torch)."""
+    is_supported = weight.device.type == "cpu" and weight.dim() == 2
+    if not is_supported or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     module = cpu_ext.load()
-    return PackedBF16Weight(module, weight) if module is not None else None
+    return PackedDenseWeight(module, weight) if module is not None else None
 
 
 if __name__ == "__main__":  # `python -m pdserve.kernels.cpu_gemm`: build ahead of time

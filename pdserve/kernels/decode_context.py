@@ -1,7 +1,7 @@
 """The K/V a decode step reads, copied out of the page pool a few layers at a time.
 
 Only the torch decode path uses it: where the C++ kernel runs, attention reads the pool in
-place (:mod:`pdserve.kernels.paged_decode`).
+place (:mod:`pdserve.kernels.paged_attention`).
 
 Gathering each layer's pages separately costs two small copies per layer, each big enough to
 become a parallel region; on a busy 2-core machine every parallel region can wait a scheduler

@@ -1,16 +1,11 @@
-"""Projections that pick the fastest CPU matmul for the number of rows.
+"""Projections: one matmul path per weight, whatever the number of rows.
 
-On CPUs without native bf16 matrix instructions (AVX2 only), torch's bf16 matmul re-reads and
-converts the weights per row. Two paths replace it:
-
-- few rows (decode): :mod:`pdserve.kernels.cpu_gemm`, a kernel that streams each packed bf16
-  weight once per call for all rows and accumulates in float32 (memory bound at one row,
-  ~2x torch's bf16 matmul on "small"-sized models at 1-8 rows);
-- many rows (prefill, from ``fp32_min_rows``): a float32 copy of the weight packed once into
-  oneDNN's blocked layout (on AMD CPUs MKL's float32 GEMM takes a generic path; oneDNN's packed
-  GEMM is ~1.7-2x faster).
-
-Results are cast back, so callers only ever see the model dtype.
+A token's projection must have the same bits alone, among a decode step's rows, in a prompt
+chunk or inside a whole prompt (pdserve's batch invariance): no switching kernels by row count.
+On CPUs the C++ kernel (:mod:`pdserve.kernels.cpu_gemm`) runs every row count: weights stay in
+their stored format (bf16 or float32, packed once into panels), activations are float32 in and
+float32 out, and each output element is one fixed-order float32 sum over the input features.
+Elsewhere (CUDA, or no compiler) torch's ``F.linear`` runs in the activations' dtype.
 """
 
 from __future__ import annotations
@@ -18,86 +13,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ext, cpu_gemm
+from pdserve.kernels import cpu_gemm
 
 
 class Linear:
-    """``y = x @ weight.T + bias``, routed by row count (see the module docstring).
+    """``y = x @ weight.T + bias`` in ``x``'s dtype.
 
-    ``use_kernel``: pack the weight for the bf16 CPU kernel where it runs (bf16 on AVX2 CPUs).
+    ``use_kernel``: pack the weight for the C++ CPU kernel where it runs (CPU bf16 or float32
+    weights on AVX2 CPUs); otherwise ``F.linear`` on the weight converted once to ``act_dtype``.
     """
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        fp32_min_rows: int | None = None,
+        act_dtype: torch.dtype | None = None,
         use_kernel: bool = True,
     ) -> None:
-        self.weight = weight
-        self.bias = bias
-        self.fp32_min_rows = fp32_min_rows
-        self.weight_f32: torch.Tensor | None = None
-        self.bias_f32: torch.Tensor | None = None
-        self.is_packed = False
+        act_dtype = act_dtype or weight.dtype
         self.kernel = cpu_gemm.pack_for_kernel(weight) if use_kernel else None
-        if fp32_min_rows is not None and weight.dtype != torch.float32:
-            self.weight_f32 = weight.float()
-            self.bias_f32 = bias.float() if bias is not None else None
-            if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-                self.weight_f32 = torch.ops.mkldnn._reorder_linear_weight(self.weight_f32, None)
-                self.is_packed = True
+        self.bias = bias.to(act_dtype) if bias is not None else None
+        # The kernel holds the packed copy; torch keeps the weight in the activations' dtype.
+        self.weight = None if self.kernel is not None else weight.to(act_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.weight_f32 is not None and rows >= self.fp32_min_rows:  # type: ignore[operator]
-            return self._linear_f32(x.float()).to(x.dtype)
         if self.kernel is not None:
             return self.kernel(x, self.bias, x.dtype)
+        assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
-    def _linear_f32(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.is_packed:
-            return F.linear(x, self.weight_f32, self.bias_f32)
-        rows = x.reshape(-1, x.shape[-1])  # (N, in)
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight_f32, self.bias_f32, "none", [], "")
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
     @property
-    def num_extra_bytes(self) -> int:
-        """Memory held by the packed and float32 copies (0 without them)."""
-        tensors = [t for t in (self.weight_f32, self.bias_f32) if t is not None]
-        packed = self.kernel.num_bytes if self.kernel is not None else 0
-        return packed + sum(t.numel() * t.element_size() for t in tensors)
-
-
-# Row counts from which float32 (oneDNN) beats the bf16 alternatives, on the 2-core AVX2 EPYC,
-# "small" model projections, 2 threads (bench/linear_bench.py): torch's bf16 matmul ties with
-# float32 at 8 rows; the packed bf16 kernel (with its session-5 prefetching and huge pages) is
-# 5-20% faster than float32 at 48-96 rows, ties at 128-256 and falls behind from ~256 (medians).
-FP32_MIN_ROWS_VS_TORCH_BF16 = 8
-FP32_MIN_ROWS_VS_KERNEL = 128
-
-
-def auto_fp32_min_rows(
-    device: torch.device, dtype: torch.dtype, prefills_prompts: bool = True
-) -> int | None:
-    """Where many-row projections should switch to float32 copies; None: never (no copies).
-
-    A worker that never prefills prompts (the decode role) makes none where the kernel runs:
-    its batches are decode steps of at most max_num_seqs rows, and rare preemption recomputes,
-    which the kernel runs at the same speed up to ~256 rows and ~10% slower beyond; the copies
-    would double the weights' memory for nothing.
-    """
-    if dtype != torch.bfloat16 or has_fast_bf16_matmul(device):
-        return None
-    if cpu_ext.load() is None:
-        return FP32_MIN_ROWS_VS_TORCH_BF16
-    return FP32_MIN_ROWS_VS_KERNEL if prefills_prompts else None
-
-
-def has_fast_bf16_matmul(device: torch.device) -> bool:
-    """True where bf16 GEMM runs on native instructions (CUDA, or AVX512-BF16 / AMX CPUs)."""
-    if device.type != "cpu":
-        return True
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
+    def num_bytes(self) -> int:
+        """Memory this projection's weight occupies as it runs (the packed copy, if any)."""
+        if self.kernel is not None:
+            return self.kernel.num_bytes
+        assert self.weight is not None
+        return self.weight.numel() * self.weight.element_size()

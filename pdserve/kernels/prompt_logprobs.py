@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.protocol import TokenLogprob
 from pdserve.kernels.attention import PrefillSeqMeta
 from pdserve.sequence import Sequence
+from pdserve.types import TokenLogprob
 
 CHUNK_ROWS = 256
 

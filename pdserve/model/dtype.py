@@ -83,3 +83,27 @@ def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, name)
+
+
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+
+
+def resolve_kv_cache_dtype(
+    name: str, weight_dtype: torch.dtype, act_dtype: torch.dtype
+) -> torch.dtype:
+    """The KV cache's dtype: ``auto`` is the weights' (bf16 for a bf16 checkpoint: K/V are
+    computed in the activations' float32 on CPUs and rounded once, when stored); an explicit
+    ``bfloat16`` / ``float32`` wins where the attention kernels read it (a pool dtype other
+    than the activations' is a CPU feature)."""
+    import torch
+
+    if name not in KV_CACHE_DTYPE_CHOICES:
+        raise UnsupportedDtypeError(
+            f"unsupported kv_cache_dtype {name!r}; choose one of {list(KV_CACHE_DTYPE_CHOICES)}"
+        )
+    dtype = weight_dtype if name == "auto" else _torch_dtype(name)
+    if dtype != act_dtype and act_dtype != torch.float32:
+        raise UnsupportedDtypeError(
+            f"kv_cache_dtype {name} needs {act_dtype} activations to match it on this device"
+        )
+    return dtype

@@ -51,6 +51,7 @@ class ForwardBatch:
     # extend
     prefill_seqs: list[PrefillSeqMeta] | None = None  # per sequence (the torch path)
     q_starts: torch.Tensor | None = None  # (B,) int64: first packed row of each sequence
+    seq_of_row: torch.Tensor | None = None  # (T,) int64: the sequence of each packed row
     num_new: torch.Tensor | None = None  # (B,) int64
     num_cached: torch.Tensor | None = None  # (B,) int64
     max_new: int = 0  # host: the largest num_new
@@ -183,6 +184,7 @@ def extend_batch_views(
         is_decode=False,
         prefill_seqs=metas,
         q_starts=q_starts,
+        seq_of_row=row_seq,
         num_new=new_t,
         num_cached=cached_t,
         max_new=max(num_new),

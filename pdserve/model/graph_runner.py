@@ -69,7 +69,9 @@ class DecodeGraphRunner:
         size = DECODE_FIELDS * max_num_seqs + 1 + max_num_seqs * self.max_pages
         self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
         hidden_size = model.config.hidden_size
-        self.hidden = torch.zeros(max_num_seqs, hidden_size, dtype=model.dtype, device=self.device)
+        self.hidden = torch.zeros(
+            max_num_seqs, hidden_size, dtype=model.act_dtype, device=self.device
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._batches: dict[int, ForwardBatch] = {}  # the views each graph was captured on
         self.graph_memory_bytes = 0

@@ -11,6 +11,12 @@ start-up (C++ paged decode on CPUs, Triton on GPUs, the torch reference elsewher
 hands it each layer's rotated queries and new K/V and never asks which device it runs on. Where
 the C++ CPU kernels run, norms, rope, the SiLU gate and each residual add with the norm after
 it are one kernel each; elsewhere the same math runs in torch.
+
+Two dtypes: the weights' (as stored: bf16, float32, or GGUF blocks) and the activations'
+(``act_dtype``). On CPUs activations are float32 (residual stream, norms, rope, attention
+arithmetic, logits) over bf16 weights: nothing rounds to bf16 between layers, and only the KV
+cache stores bf16, written once. On CUDA activations stay in the weights' dtype (tensor cores)
+and the logits are float32.
 """
 
 from __future__ import annotations
@@ -28,23 +34,32 @@ from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.weights import LayerWeights, ModelWeights
 
 
-class _Layer:
-    """A layer's weights as callables (the projections choose their matmul path)."""
+def _vector(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t.to(dtype) if t is not None else None
 
-    def __init__(self, w: LayerWeights, fp32_min_rows: int | None) -> None:
-        self.input_norm, self.post_norm = w.input_norm, w.post_norm
-        self.q_norm, self.k_norm = w.q_norm, w.k_norm
-        self.qkv = Linear(w.qkv, w.qkv_bias, fp32_min_rows)
-        self.o_proj = Linear(w.o_proj, w.o_bias, fp32_min_rows)
-        self.gate_up = Linear(w.gate_up, w.gate_up_bias, fp32_min_rows)
-        self.down = Linear(w.down, w.down_bias, fp32_min_rows)
+
+class _Layer:
+    """A layer's weights as callables; norm weights in the activations' dtype."""
+
+    def __init__(self, w: LayerWeights, act_dtype: torch.dtype) -> None:
+        self.input_norm, self.post_norm = w.input_norm.to(act_dtype), w.post_norm.to(act_dtype)
+        self.q_norm, self.k_norm = _vector(w.q_norm, act_dtype), _vector(w.k_norm, act_dtype)
+        self.qkv = Linear(w.qkv, w.qkv_bias, act_dtype)
+        self.o_proj = Linear(w.o_proj, w.o_bias, act_dtype)
+        self.gate_up = Linear(w.gate_up, w.gate_up_bias, act_dtype)
+        self.down = Linear(w.down, w.down_bias, act_dtype)
+
+
+def activation_dtype(weight_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """float32 on CPUs (the kernels read bf16 weights into float32 registers anyway); the
+    weights' own dtype on accelerators."""
+    return torch.float32 if torch.device(device).type == "cpu" else weight_dtype
 
 
 class LlamaModel:
     """Stateless forward pass; all per-sequence state lives in the KV pool the caller passes.
 
-    ``fp32_min_rows``: projections with at least this many input rows run in float32 from
-    float32 weight copies (see :mod:`pdserve.kernels.linear`); None keeps one copy.
+    ``dtype``: the weights'; activations are :func:`activation_dtype` of it on ``device``.
     """
 
     def __init__(
@@ -54,31 +69,26 @@ class LlamaModel:
         max_positions: int,
         dtype: torch.dtype,
         device: str = "cpu",
-        fp32_min_rows: int | None = None,
     ) -> None:
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self.layers = [_Layer(w, fp32_min_rows) for w in weights.layers]
-        self.lm_head = Linear(weights.lm_head, None, fp32_min_rows)
+        self.act_dtype = activation_dtype(dtype, device)
+        self.layers = [_Layer(w, self.act_dtype) for w in weights.layers]
+        self.lm_head = Linear(weights.lm_head, None, self.act_dtype)
+        self.final_norm = weights.norm.to(self.act_dtype)
         self.cos, self.sin = rope_tables(
-            max_positions, config.head_dim, config.rope_theta, config.rope_scaling, dtype, device
-        )
-
-    @property
-    def num_extra_bytes(self) -> int:
-        """Memory of the float32 weight copies, if any."""
-        linears = [self.lm_head] + [
-            p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-        ]
-        return sum(p.num_extra_bytes for p in linears)
+            max_positions, config.head_dim, config.rope_theta, config.rope_scaling,
+            self.act_dtype, device,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states ``(T, hidden)`` before the final norm; ``attn`` (its forward metadata
         prepared for ``batch``) stores the tokens' K/V."""
         eps = self.config.rms_norm_eps
-        h = F.embedding(batch.input_ids, self.weights.embed)  # ours: updated in place below
+        # (T, hidden) in the activations' dtype, ours: updated in place below
+        h = F.embedding(batch.input_ids, self.weights.embed).to(self.act_dtype)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         # h += sublayer(x) and the next norm run as one fused add + norm (add_rms_norm_).
         x = rms_norm(h, self.layers[0].input_norm, eps)
@@ -96,7 +106,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``(N, vocab)`` for the given (pre-final-norm) rows."""
         with torch.inference_mode():
-            x = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+            x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
             return self.lm_head(x).float()
 
     def _qkv(

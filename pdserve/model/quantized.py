@@ -27,7 +27,11 @@ class QuantizedTensor:
     data: np.ndarray  # (N, bytes_per_row) uint8, C-contiguous
 
     def __post_init__(self) -> None:
-        if self.data.dtype != np.uint8 or self.data.ndim != 2 or self.data.shape[0] != self.shape[0]:
+        if (
+            self.data.dtype != np.uint8
+            or self.data.ndim != 2
+            or self.data.shape[0] != self.shape[0]
+        ):
             raise ValueError(f"{self.type_name} data must be (N, bytes_per_row) uint8")
 
     @property

@@ -19,17 +19,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import error_response
+from pdserve.router.health import HealthChecker
 from pdserve.router.legs import UpstreamClient
 from pdserve.router.metrics import build_registry
 from pdserve.router.proxy import Dispatcher
 from pdserve.router.registry_api import RegistryApi
 from pdserve.router.stats import RouterStats
-from pdserve.router.workers import HealthChecker, WorkerManager
+from pdserve.router.workers import WorkerManager
 
 logger = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/health/ready", "/health/pd", "/metrics"})
 _ID_PREFIX = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-"}
 
 
@@ -177,6 +178,7 @@ class Router:
         app.router.add_post("/detokenize", self._tokenizer_call)
         app.router.add_get("/health", self._alive)
         app.router.add_get("/health/ready", self._ready)
+        app.router.add_get("/health/pd", self._pd_ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/abort/{request_id}", self._abort)
         app.router.add_get("/workers", self._list_workers)
@@ -270,11 +272,31 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        is_ready = self.workers.has_complete_path() and not self.is_draining
+        """Readiness for a balancer: by ``--readiness``, any serving path (the default: a
+        router whose fleet lost every prefill still serves through the decode fallback) or
+        the full PD path."""
+        return self._readiness(self.config.readiness)
+
+    async def _pd_ready(self, request: web.Request) -> web.Response:
+        """200 while the full path is up (a prefill+decode pair or a colocated worker): what a
+        harness waits for before it measures the PD path, whatever ``--readiness`` says."""
+        return self._readiness("pd")
+
+    def _readiness(self, mode: str) -> web.Response:
+        pd_path = self.workers.has_complete_path()
+        serving_path = self.workers.has_serving_path()
+        is_ready = (pd_path if mode == "pd" else serving_path) and not self.is_draining
         counts = {
             role: len(self.workers.available(role)) for role in ("prefill", "decode", "colocated")
         }
-        body = {"ready": is_ready, "draining": self.is_draining, "available": counts}
+        body = {
+            "ready": is_ready,
+            "mode": mode,
+            "pd_path": pd_path,
+            "serving_path": serving_path,
+            "draining": self.is_draining,
+            "available": counts,
+        }
         return web.json_response(body, status=200 if is_ready else 503, dumps=_dumps)
 
     async def _metrics(self, request: web.Request) -> web.Response:

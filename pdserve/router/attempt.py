@@ -115,9 +115,11 @@ class Attempt:
             }
             prefill_body, primary_body = build_leg_bodies(body, kv)
             coro = upstream.run_prefill(plan.prefill, self.path, self.request_id, prefill_body)
-            self.legs.append(self._new_leg(plan.prefill, coro))
+            self.legs.append(self._new_leg(plan.prefill, coro, plan.num_prompt_tokens))
         coro = upstream.open_primary(plan.primary, self.path, self.request_id, primary_body)
-        self.legs.append(self._new_leg(plan.primary, coro))
+        # Without a prefill leg the primary prefills the prompt itself (colocated, fallback).
+        tokens = plan.num_prompt_tokens if plan.prefill is None else 0
+        self.legs.append(self._new_leg(plan.primary, coro, tokens))
         logger.debug(
             "rid=%s: attempt started room=%s prefill=%s primary=%s",
             self.request_id,
@@ -126,12 +128,13 @@ class Attempt:
             plan.primary.url,
         )
 
-    def _new_leg(self, worker: Worker, coro: Coroutine[Any, Any, Any]) -> Leg:
+    def _new_leg(self, worker: Worker, coro: Coroutine[Any, Any, Any], tokens: int) -> Leg:
         worker.breaker.on_attempt()
         worker.num_in_flight += 1
+        worker.num_in_flight_tokens += tokens
         task = asyncio.create_task(coro)
         task.add_done_callback(_retrieve_exception)
-        return Leg(worker, task)
+        return Leg(worker, task, num_tokens=tokens)
 
     async def _await_first_byte(self) -> PrimaryStart:
         """Wait for the primary's first event while watching the prefill leg; the first failure
@@ -168,6 +171,8 @@ class Attempt:
         exc = leg.task.exception()
         if leg is self._prefill:
             leg.release_in_flight()  # the primary keeps its slot until its stream ends
+        else:
+            leg.release_tokens()  # answered or failed: its prompt is no longer queued
         if exc is None:
             self._set_outcome(leg, OK, "answered")
             self._verdict(leg, ok=True)

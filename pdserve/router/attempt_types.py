@@ -35,6 +35,7 @@ class Plan:
 
     prefill: Worker | None  # None for a colocated path
     primary: Worker
+    num_prompt_tokens: int = 0  # what the leg that prefills adds to its worker's backlog
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +58,18 @@ class Leg:
     start: PrimaryStart | None = None
     has_verdict: bool = False  # the breaker was told success or failure
     is_counted: bool = True  # holds one of the worker's in-flight slots
+    num_tokens: int = 0  # prompt tokens it holds of the worker's in-flight backlog
 
     def release_in_flight(self) -> None:
         if self.is_counted:
             self.is_counted = False
             self.worker.num_in_flight -= 1
+            self.release_tokens()
+
+    def release_tokens(self) -> None:
+        """Its prompt is prefilled (the first byte came): no longer part of the backlog."""
+        self.worker.num_in_flight_tokens -= self.num_tokens
+        self.num_tokens = 0
 
 
 class AttemptFailed(Exception):

@@ -13,7 +13,7 @@ from pdserve.cli_common import DeprecatedAlias, run_async, setup_logging
 from pdserve.envs import read_env
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.router.app import Router
-from pdserve.router.config import POLICY_NAMES, RouterConfig
+from pdserve.router.config import POLICY_NAMES, READINESS_MODES, RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
         "colocated worker) can take a request soon the router answers 429 + Retry-After",
     )  # fmt: skip
     p.add_argument(
+        "--max-prefill-backlog-tokens", type=int, default=d.max_prefill_backlog_tokens,
+        metavar="N", help="a prefilling worker with N prompt tokens queued (reported, or sent by "
+        "this router and not prefilled yet) takes no more; when none can, 429 + Retry-After",
+    )  # fmt: skip
+    p.add_argument(
         "--migration-limit", type=int, default=d.migration_limit, metavar="N",
         help="resume a stream broken mid-answer on another path up to N times (0: off)",
     )  # fmt: skip
     p.add_argument(
         "--enforce-disagg", action="store_true",
         help="never let a decode worker prefill itself when no prefill worker is healthy",
+    )  # fmt: skip
+    p.add_argument(
+        "--readiness", choices=READINESS_MODES, default=d.readiness,
+        help="what GET /health/ready requires: serving = any path that serves, the decode "
+        "fallback included; pd = a prefill+decode pair (GET /health/pd always answers that)",
     )  # fmt: skip
     p.add_argument(
         "--max-body-kb", type=int, default=d.max_body_bytes >> 10,
@@ -109,10 +119,12 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         max_attempts=args.max_attempts,
         migration_limit=args.migration_limit,
         enforce_disagg=args.enforce_disagg,
+        readiness=args.readiness,
         backoff_base_s=args.backoff_base,
         breaker_failures=args.breaker_failures,
         breaker_reset_s=args.breaker_reset,
         max_worker_queue=args.max_worker_queue,
+        max_prefill_backlog_tokens=args.max_prefill_backlog_tokens,
         drain_timeout_s=args.drain_timeout,
         api_key=api_key,
         worker_api_key=args.worker_api_key or api_key,

@@ -1,6 +1,7 @@
-"""Which prefill and decode workers may be paired: those serving the same model, with the same
-KV dtype and page layout. The bootstrap refuses a mismatched pair too (``layout_mismatch``),
-but only once a request is already on it; the router keeps such workers out of its pairs.
+"""Which prefill and decode workers may be paired: those serving the same model (name and
+weights), with the same KV dtype and page layout. The bootstrap refuses a mismatched pair too
+(``layout_mismatch``), but only once a request is already on it; the router keeps such workers
+out of its pairs.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ PAIRED_ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """What must agree between a prefill and a decode. Empty ``dtype``/``kv_layout`` (a worker
-    that does not publish them) match anything."""
+    """What must agree between a prefill and a decode. Empty ``dtype``/``kv_layout``/``weights``
+    (a worker that does not publish them) match anything."""
 
     model: str
     dtype: str
     kv_layout: str
+    weights: str = ""  # model.fingerprint.weights_fingerprint: one architecture, other weights
 
     def mismatch(self, other: Identity) -> str | None:
         """A sentence naming every field that differs from ``other``, or None."""
         diffs = [f"model {self.model!r} != {other.model!r}"] if self.model != other.model else []
-        for name in ("dtype", "kv_layout"):
+        for name in ("dtype", "kv_layout", "weights"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine and theirs and mine != theirs:
                 diffs.append(f"{name} {mine!r} != {theirs!r}")

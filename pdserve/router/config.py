@@ -3,32 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
-WORKER_ROLES = ("prefill", "decode", "colocated")
+# The worker-side contract lives below the router; re-exported for the router's modules.
+from pdserve.registration_msg import WORKER_ROLES as WORKER_ROLES
+from pdserve.registration_msg import normalize_worker_url as normalize_worker_url
 
-
-def normalize_worker_url(url: str) -> str:
-    """Canonical form of a worker base URL (``http://host:port``, no trailing slash).
-
-    Raises ``ValueError`` for anything that is not a plain http(s) URL with a host and a port,
-    because the router derives the prefill bootstrap host from it.
-    """
-    if not isinstance(url, str) or not url:
-        raise ValueError("worker url must be a non-empty string")
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"worker url must look like http://host:port, got {url!r}")
-    try:
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"worker url has an invalid port: {url!r}") from exc
-    if port is None:
-        raise ValueError(f"worker url needs an explicit port: {url!r}")
-    if parts.query or parts.fragment or parts.path not in ("", "/"):
-        raise ValueError(f"worker url must be a base URL without path or query: {url!r}")
-    return f"{parts.scheme}://{parts.netloc}"
+POLICY_NAMES = ("auto", "round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
+# What the router's GET /health/ready requires: "serving", any path that serves (the decode
+# fallback included, so a balancer keeps a router that lost every prefill in rotation); "pd",
+# the full path (a prefill+decode pair or a colocated worker; always at GET /health/pd).
+READINESS_MODES = ("serving", "pd")
 
 
 @dataclass(frozen=True)
@@ -46,7 +30,8 @@ class RouterConfig:
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     worker_urls: tuple[str, ...] = ()  # colocated workers: plain load balancing
-    policy: str = "round_robin"
+    # auto: cache_aware while more than one prefill is available, else round_robin (policies.py)
+    policy: str = "auto"
     # cache_aware: prefix match fraction that wins, and the load gap (in-flight, absolute and
     # ratio) past which the least loaded worker wins instead (pdserve.router.cache_aware).
     cache_threshold: float = 0.5
@@ -61,6 +46,7 @@ class RouterConfig:
     max_attempts: int = 3
     migration_limit: int = 3  # resumptions of a stream broken mid-answer; 0 turns it off
     enforce_disagg: bool = False  # no decode-prefills-itself fallback without a prefill
+    readiness: str = "serving"  # what GET /health/ready requires (READINESS_MODES)
     backoff_base_s: float = 0.05
     max_backoff_s: float = 2.0
     breaker_failures: int = 3
@@ -70,6 +56,8 @@ class RouterConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     # Admission (router/load.py): a worker with this many requests queued cannot take more soon.
     max_worker_queue: int = 256
+    # ... and a prefilling worker with this many prompt tokens queued takes no more prompts.
+    max_prefill_backlog_tokens: int = 65536
     retry_after_s: int = 1  # the Retry-After of a 429 (admission check) or 503 (draining)
     drain_timeout_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
 
@@ -80,6 +68,8 @@ class RouterConfig:
         all_urls = self.prefill_urls + self.decode_urls + self.worker_urls
         if len(set(all_urls)) != len(all_urls):
             raise ValueError("a worker url is listed more than once")
+        if self.readiness not in READINESS_MODES:
+            raise ValueError(f"readiness must be one of {READINESS_MODES}: {self.readiness!r}")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:
@@ -88,6 +78,8 @@ class RouterConfig:
             raise ValueError("max_attempts and breaker_failures must be >= 1")
         if self.max_worker_queue < 1 or self.retry_after_s < 0:
             raise ValueError("max_worker_queue must be >= 1 and retry_after_s >= 0")
+        if self.max_prefill_backlog_tokens < 1:
+            raise ValueError("max_prefill_backlog_tokens must be >= 1")
         if self.migration_limit < 0:
             raise ValueError("migration_limit must be >= 0")
         if self.max_body_bytes < 1024:

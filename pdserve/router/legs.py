@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.prompt_size import count_from_reply
 from pdserve.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -179,6 +181,24 @@ class UpstreamClient:
         if error is not None:
             raise LegError(worker, f"stream began with an error: {error}", kind="stream_error")
         return PrimaryStart(resp, first, rest, is_sse=True, is_eof=False)
+
+    async def count_tokens(self, worker: Worker, body: dict[str, Any]) -> int | None:
+        """A prompt's token count by the worker's ``POST /tokenize`` (router/prompt_size.py),
+        bounded by the abort timeout; None (logged) if it did not answer one."""
+        headers = {"Content-Type": "application/json", **self._auth}
+        try:
+            async with self._session.post(
+                f"{worker.url}/tokenize", data=orjson.dumps(body), headers=headers,
+                timeout=self._abort_timeout,
+            ) as resp:  # fmt: skip
+                raw = await resp.read()
+                count = count_from_reply(raw) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.info("tokenize at %s failed: %s", worker.url, exc)
+            return None
+        if count is None:
+            logger.info("tokenize at %s answered %d without a count", worker.url, resp.status)
+        return count
 
     async def post_abort(self, worker: Worker, request_id: str) -> bool:
         """Best effort ``POST /abort/{rid}``; False (logged) if the worker did not confirm."""

@@ -1,9 +1,11 @@
 """What a worker reports of its load (``/server_info`` -> ``load``), and the router's use of it:
-a score to balance by and the admission check that answers 429 at once when no worker of the
-path's KV-holding role can take a request soon.
+a score to balance by and the admission checks that answer 429 at once when no worker of the
+path's KV-holding role can take a request soon (queue, KV pages), or no worker of its
+prefilling role can (its backlog of prompt tokens to prefill).
 
 A report is as old as the last health probe (``--health-interval``); the router adds its own
-in-flight count, which is current, so a burst between two probes still spreads.
+in-flight counts (requests, and prompt tokens on prefill legs), which are current, so a burst
+between two probes still spreads, and a flood is refused before the next probe shows it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class WorkerLoad:
     waiting: int = 0  # queued for prefill (or re-prefill after preemption)
     waiting_for_kv: int = 0  # decode: pages lent to a room, KV not there yet
     running: int = 0
+    waiting_prompt_tokens: int = 0  # prompt tokens queued for prefill (its backlog)
     free_pages: int | None = None  # None: not reported (then pages never block admission)
     total_pages: int | None = None
     page_size: int | None = None
@@ -39,6 +42,7 @@ class WorkerLoad:
             "waiting",
             "waiting_for_kv",
             "running",
+            "waiting_prompt_tokens",
             "free_pages",
             "total_pages",
         )
@@ -55,6 +59,7 @@ class WorkerLoad:
             waiting=ints["waiting"] or 0,
             waiting_for_kv=ints["waiting_for_kv"] or 0,
             running=ints["running"] or 0,
+            waiting_prompt_tokens=ints["waiting_prompt_tokens"] or 0,
             free_pages=ints["free_pages"],
             total_pages=ints["total_pages"],
             page_size=page_size,
@@ -76,19 +81,18 @@ def load_score(num_in_flight: int, load: WorkerLoad | None) -> tuple[int, int]:
     return (max(num_in_flight, load.num_requests), -free)
 
 
-def tokens_needed(body: dict[str, Any]) -> int:
-    """A lower bound on the KV tokens a request will hold: its output budget, plus its prompt
-    when given as token ids (text is not tokenized here, so it counts 0: never over-reject)."""
+def output_budget(body: dict[str, Any]) -> int:
+    """The output tokens a request may generate (0 when it does not say)."""
     budget = body.get("max_completion_tokens", body.get("max_tokens"))
-    tokens = budget if type(budget) is int and budget > 0 else 0
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        tokens += len(prompt)
-    return tokens
+    return budget if type(budget) is int and budget > 0 else 0
 
 
-def refusal(load: WorkerLoad | None, tokens: int, max_queue: int) -> str | None:
-    """Why a worker cannot take a request of ``tokens`` soon, or None if it can."""
+def refusal(
+    load: WorkerLoad | None, tokens: int, max_queue: int, *, is_strict: bool = False
+) -> str | None:
+    """Why a worker cannot take a request of ``tokens`` soon, or None if it can. A request
+    that can never fit is the worker's to refuse (a 400 naming the field), unless
+    ``is_strict``: then it is refused here too (a check with an upper bound on ``tokens``)."""
     if load is None:
         return None
     if load.draining:
@@ -97,19 +101,26 @@ def refusal(load: WorkerLoad | None, tokens: int, max_queue: int) -> str | None:
         return f"{load.queued} requests queued (limit {max_queue})"
     if load.free_pages is not None and load.page_size:
         pages = -(-tokens // load.page_size)
-        # One that can never fit is the worker's to refuse (a 400 naming the field), not ours.
-        fits_at_all = load.total_pages is None or pages <= load.total_pages
+        fits_at_all = is_strict or load.total_pages is None or pages <= load.total_pages
         if pages > load.free_pages and fits_at_all:
             return f"{pages} KV pages needed, {load.free_pages} free"
     return None
 
 
+def backlog_refusal(backlog: int, prompt_tokens: int, max_backlog: int) -> str | None:
+    """Why a prefilling worker with ``backlog`` prompt tokens still to prefill cannot take a
+    prompt of ``prompt_tokens`` soon, or None. An idle one takes any prompt."""
+    if backlog > 0 and backlog + prompt_tokens > max_backlog:
+        return f"{backlog} prompt tokens queued for prefill (limit {max_backlog})"
+    return None
+
+
 def admission_refusal(
-    loads: Sequence[WorkerLoad | None], tokens: int, max_queue: int
+    loads: Sequence[WorkerLoad | None], tokens: int, max_queue: int, *, is_strict: bool = False
 ) -> str | None:
     """None if any worker can take the request soon, else why the first one cannot (all
     refused: the router answers 429 with Retry-After instead of computing KV nobody can take)."""
-    reasons = [refusal(load, tokens, max_queue) for load in loads]
+    reasons = [refusal(load, tokens, max_queue, is_strict=is_strict) for load in loads]
     if not reasons or any(r is None for r in reasons):
         return None
     return reasons[0]

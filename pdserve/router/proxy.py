@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from pdserve.router.admission import Admission
 from pdserve.router.attempt import Attempt, end_broken_stream
 from pdserve.router.attempt_types import (
     AttemptEnv,
@@ -27,7 +28,6 @@ from pdserve.router.cache_aware import CacheAwareConfig, routing_text
 from pdserve.router.config import WORKER_ROLES, RouterConfig
 from pdserve.router.errors import error_response
 from pdserve.router.legs import UpstreamClient
-from pdserve.router.load import admission_refusal, tokens_needed
 from pdserve.router.migration import StreamTracker, first_body, is_migratable
 from pdserve.router.policies import make_policy
 from pdserve.router.stats import RouterStats
@@ -76,13 +76,19 @@ class Dispatcher:
         self._stats = stats
         self._rng = rng
         self._env = AttemptEnv(config, upstream, stats, spawn)
+        self._admission = Admission(config, workers, upstream, stats)
         cache_aware = CacheAwareConfig(
             cache_threshold=config.cache_threshold,
             balance_abs=config.balance_abs_threshold,
             balance_rel=config.balance_rel_threshold,
         )
+
+        def num_prefills() -> int:
+            return len(workers.available("prefill"))
+
         self._policies = {
-            role: make_policy(config.policy, rng, cache_aware) for role in WORKER_ROLES
+            role: make_policy(config.policy, rng, cache_aware, num_prefills)
+            for role in WORKER_ROLES
         }
         self._active: dict[str, RequestCtx] = {}
         self._idle = asyncio.Event()  # set while no request is active (a drain waits on it)
@@ -175,8 +181,9 @@ class Dispatcher:
         logger.info("rid=%s: client disconnected (%s); legs aborted", ctx.request_id, why)
 
     async def _run(self, request: web.Request, ctx: RequestCtx) -> web.StreamResponse:
-        shed = self._admission(ctx)
+        num_prompt_tokens, shed = await self._admission.check(ctx.body, ctx.request_id)
         if shed is not None:
+            ctx.outcome = "429"
             return shed
         last: AttemptFailed | None = None
         excluded: set[str] = set()
@@ -191,7 +198,7 @@ class Dispatcher:
             if ctx.is_aborted:
                 break
             num_tries += 1
-            plan = self._choose(excluded, key)
+            plan = self._choose(excluded, key, num_prompt_tokens)
             if plan is None:
                 last = AttemptFailed(
                     "no healthy prefill+decode pair or colocated worker", status=503
@@ -267,50 +274,32 @@ class Dispatcher:
             headers["Retry-After"] = str(self._config.retry_after_s)
         return error_response(status, f"router: {reason}", code="upstream_failed", headers=headers)
 
-    def _admission(self, ctx: RequestCtx) -> web.Response | None:
-        """A 429 now when no worker holding KV for the whole generation (the decodes, or the
-        colocated workers) can take this request soon, by the load they reported: better than
-        a prefill computing KV that no decode can receive before its deadline."""
-        holders = self._workers.available("decode") if self._workers.available("prefill") else []
-        holders = holders or self._workers.available("colocated")
-        cfg = self._config
-        tokens = tokens_needed(ctx.body)
-        max_len = min((w.info.max_model_len for w in holders if w.info is not None), default=None)
-        if max_len is not None and tokens > max_len:
-            return None  # over the context window: the worker's 400 says so, not a 429
-        reason = admission_refusal([w.load for w in holders], tokens, cfg.max_worker_queue)
-        if reason is None:
-            return None
-        self._stats.num_shed += 1
-        ctx.outcome = "429"
-        logger.info(
-            "rid=%s: shed with 429, no worker can take it soon (%s)", ctx.request_id, reason
-        )
-        headers = {"X-Request-Id": ctx.request_id, "Retry-After": str(cfg.retry_after_s)}
-        message = f"router: every worker is at capacity ({reason}); retry later"
-        return error_response(429, message, code="overloaded", headers=headers)
-
     def _backoff_s(self, attempt_no: int) -> float:
         cfg = self._config
         return backoff_s(attempt_no, cfg.backoff_base_s, cfg.max_backoff_s, self._rng)
 
-    def _choose(self, excluded: set[str], key: str | None) -> Plan | None:
+    def _choose(self, excluded: set[str], key: str | None, num_prompt_tokens: int) -> Plan | None:
         # Both legs by the prompt's text: the prefill and the decode each keep a prefix cache
         # (a decode holding the prefix receives only the rest of the KV).
         prefills = self._workers.available("prefill")
         decodes = self._workers.available("decode")
+        if not self._config.enforce_disagg and decodes:
+            # Every prefill failed this request already (one killed a moment ago still looks
+            # healthy until the next probe): the retry goes to a decode prefilling itself.
+            prefills = [w for w in prefills if w.url not in excluded]
         if prefills and decodes:
             return Plan(
                 self._pick("prefill", prefills, excluded, key),
                 self._pick("decode", decodes, excluded, key),
+                num_prompt_tokens,
             )
         colocated = self._workers.available("colocated")
         if colocated:
-            return Plan(None, self._pick("colocated", colocated, excluded, key))
+            return Plan(None, self._pick("colocated", colocated, excluded, key), num_prompt_tokens)
         if decodes and not self._config.enforce_disagg:
             # No prefill is healthy: a decode prefills the request itself, colocated-style.
             self._stats.num_decode_fallbacks += 1
-            return Plan(None, self._pick("decode", decodes, excluded, key))
+            return Plan(None, self._pick("decode", decodes, excluded, key), num_prompt_tokens)
         return None
 
     def _pick(

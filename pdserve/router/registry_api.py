@@ -10,9 +10,10 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from pdserve.registration_msg import DeregistrationMsg, RegistrationMsg
 from pdserve.router.errors import error_response
-from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
-from pdserve.router.workers import HealthChecker, WorkerManager
+from pdserve.router.health import HealthChecker
+from pdserve.router.workers import WorkerManager
 
 
 class RegistryApi:

@@ -1,4 +1,5 @@
-"""The router's view of its workers: a registry (``WorkerManager``) and the health checker.
+"""The router's view of its workers: a registry (``WorkerManager``) of ``Worker`` objects and
+the ``/server_info`` message they answer (the health checker, router/health.py, probes them).
 
 Health state is written by the health checker (and by admin add/remove), and by the dispatcher
 only to take out at once a worker that answered it is draining; breaker state and in-flight counts
@@ -7,8 +8,6 @@ only by the dispatcher; all on the event loop.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -16,14 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-import orjson
-
+from pdserve.registration_msg import DeregistrationMsg, RegistrationMsg
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.compat import Identity, incompatible
 from pdserve.router.config import WORKER_ROLES, RouterConfig, normalize_worker_url
 from pdserve.router.load import WorkerLoad, load_score
-from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +40,7 @@ class ServerInfoMsg:
     max_model_len: int
     dtype: str = ""  # KV dtype ("" from a worker that does not publish it)
     kv_layout: str = ""  # transport.layout.layout_fingerprint of its page pool
+    weights: str = ""  # model.fingerprint.weights_fingerprint ("" if not published)
     load: WorkerLoad | None = None  # as of this probe; None from a worker that reports none
 
     @classmethod
@@ -74,6 +71,7 @@ class ServerInfoMsg:
             max_model_len=max_len,
             dtype=str(raw.get("dtype") or ""),
             kv_layout=str(raw.get("kv_layout") or ""),
+            weights=str(raw.get("weights") or ""),
             load=WorkerLoad.from_json(raw.get("load")),
         )
 
@@ -88,6 +86,7 @@ class Worker:
     state: str = UNKNOWN
     info: ServerInfoMsg | None = None
     num_in_flight: int = 0
+    num_in_flight_tokens: int = 0  # prompt tokens of the legs in flight that prefill here
     last_error: str | None = None
     last_checked: float | None = None  # monotonic time of the last completed probe
     # Self-registered workers: the last registration and when its lease ends (monotonic);
@@ -107,11 +106,11 @@ class Worker:
 
     @property
     def identity(self) -> Identity | None:
-        """Model, dtype and KV layout, from the last probe, else the registration."""
+        """Model, dtype, KV layout and weights, from the last probe, else the registration."""
         src = self.info or self.registration
         if src is None:
             return None
-        return Identity(src.model, src.dtype, src.kv_layout)
+        return Identity(src.model, src.dtype, src.kv_layout, src.weights)
 
     def is_available(self) -> bool:
         """Healthy, pairable with the fleet, and its breaker lets a request through."""
@@ -125,6 +124,13 @@ class Worker:
     def load_score(self) -> tuple[int, int]:
         """Lower is less loaded (router/load.py)."""
         return load_score(self.num_in_flight, self.load)
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens queued here for prefill: what it reported, or what this router sent
+        it and has not heard the end of, when larger (current between two probes)."""
+        load = self.load
+        reported = load.waiting_prompt_tokens if load is not None else 0
+        return max(reported, self.num_in_flight_tokens)
 
     def mark_draining(self) -> None:
         """It answered a request with ``draining``: out at once, not at the next probe (which
@@ -148,10 +154,12 @@ class Worker:
             "bootstrap_host": self.host if self.role == "prefill" else None,
             "dtype": info.dtype if info else None,
             "kv_layout": info.kv_layout if info else None,
+            "weights": info.weights if info else None,
             "compatible": self.incompatibility is None,
             "compatibility_error": self.incompatibility,
             "registered": self.registration is not None,
             "in_flight": self.num_in_flight,
+            "in_flight_prompt_tokens": self.num_in_flight_tokens,
             "breaker": self.breaker.state,
             "breaker_failures": self.breaker.num_failures,
             "last_error": self.last_error,
@@ -165,6 +173,7 @@ def _load_json(load: WorkerLoad | None) -> dict[str, Any] | None:
     return {
         "num_requests": load.num_requests,
         "queued": load.queued,
+        "waiting_prompt_tokens": load.waiting_prompt_tokens,
         "running": load.running,
         "free_pages": load.free_pages,
         "draining": load.draining,
@@ -287,112 +296,15 @@ class WorkerManager:
         return [w for w in self._workers.values() if w.role == role and w.is_available()]
 
     def has_complete_path(self) -> bool:
-        """A prefill+decode pair or a colocated worker can take a request now."""
+        """The full path is up: a prefill+decode pair or a colocated worker can take a request
+        now (``GET /health/pd``)."""
         if self.available("colocated"):
             return True
         return bool(self.available("prefill")) and bool(self.available("decode"))
 
-
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
-    is_ready: bool
-    info: ServerInfoMsg | None
-    error: str | None
-
-
-class HealthChecker:
-    """Periodically probes every worker (``/health/ready`` + ``/server_info``) and applies the
-    result: takes unhealthy workers out, puts them back, and notices restarts."""
-
-    def __init__(
-        self, config: RouterConfig, workers: WorkerManager, session: aiohttp.ClientSession
-    ) -> None:
-        self._config = config
-        self._workers = workers
-        self._session = session
-        self._headers = (
-            {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
-        )
-        self._timeout = aiohttp.ClientTimeout(
-            total=config.health_timeout_s, sock_connect=config.connect_timeout_s
-        )
-        self.num_rounds = 0
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Probe all workers every ``health_interval_s`` until ``stop`` is set."""
-        while not stop.is_set():
-            await self.check_all()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self._config.health_interval_s)
-
-    async def check_all(self) -> None:
-        """One probe round over every registered worker, concurrently."""
-        self._workers.expire()
-        workers = self._workers.all()
-        await asyncio.gather(*(self.check(w) for w in workers))
-        self._workers.refresh_compatibility()
-        self.num_rounds += 1
-
-    async def check(self, worker: Worker) -> None:
-        """Probe one worker and apply the result (if it is still registered)."""
-        result = await self.probe(worker.url)
-        if self._workers.is_registered(worker):
-            apply_probe(worker, result, time.monotonic())
-            self._workers.refresh_compatibility()
-
-    async def probe(self, url: str) -> ProbeResult:
-        """``GET /health/ready`` and ``/server_info`` of one URL, bounded by health_timeout_s."""
-        try:
-            ready_status, info_raw = await asyncio.gather(
-                self._get_status(f"{url}/health/ready"), self._get_json(f"{url}/server_info")
-            )
-            info = ServerInfoMsg.from_json(info_raw)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return ProbeResult(False, None, f"{type(exc).__name__}: {exc}"[:300])
-        if ready_status != 200:
-            return ProbeResult(False, info, f"/health/ready answered {ready_status}")
-        return ProbeResult(True, info, None)
-
-    async def _get_status(self, url: str) -> int:
-        async with self._session.get(url, timeout=self._timeout, headers=self._headers) as resp:
-            await resp.read()
-            return resp.status
-
-    async def _get_json(self, url: str) -> Any:
-        async with self._session.get(url, timeout=self._timeout, headers=self._headers) as resp:
-            body = await resp.read()
-            if resp.status != 200:
-                raise ValueError(f"/server_info answered {resp.status}")
-            return orjson.loads(body)
-
-
-def apply_probe(worker: Worker, result: ProbeResult, now: float) -> None:
-    """Update one worker from a probe; logs every state change with its reason."""
-    worker.last_checked = now
-    info = result.info
-    if info is not None and info.role != worker.role:
-        result = ProbeResult(
-            False, info, f"role mismatch: registered {worker.role}, is {info.role}"
-        )
-    if info is not None:
-        old = worker.info
-        if old is not None and old.incarnation != info.incarnation:
-            logger.info(
-                "worker %s restarted: incarnation %s -> %s, bootstrap_port %s -> %s",
-                worker.url,
-                old.incarnation,
-                info.incarnation,
-                old.bootstrap_port,
-                info.bootstrap_port,
-            )
-            worker.breaker.reset("new incarnation")
-        worker.info = info
-    new_state = HEALTHY if result.is_ready else UNHEALTHY
-    if new_state != worker.state:
-        # Losing a worker that served is worth a warning; one not up yet (startup) is not.
-        log = logger.warning if worker.state == HEALTHY else logger.info
-        log(
-            "worker %s: %s -> %s (%s)", worker.url, worker.state, new_state, result.error or "ready"
-        )
-    worker.state = new_state
-    worker.last_error = result.error
+    def has_serving_path(self) -> bool:
+        """Some path serves a request now: the full one, or a decode that prefills itself
+        (the fallback when no prefill is available, unless ``enforce_disagg``)."""
+        if self.has_complete_path():
+            return True
+        return not self._config.enforce_disagg and bool(self.available("decode"))

@@ -28,6 +28,7 @@ class TransportConfig:
     # The model identity a peer must share (checked at registration with the page layout).
     model_name: str = ""
     model_fingerprint: str = ""  # pdserve.transport.layout.model_fingerprint of the checkpoint
+    weights_fingerprint: str = ""  # pdserve.model.fingerprint.weights_fingerprint of it
     bootstrap_host: str = "127.0.0.1"  # prefill only: where the bootstrap server listens
     bootstrap_port: int = 8998  # prefill only; 0 = ephemeral (read KVSender.bootstrap_port)
     heartbeat_interval_s: float = 1.0  # a peer is declared lost after 2 missed intervals

@@ -9,39 +9,59 @@ fails.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from pdserve.fsm import BOOTSTRAPPED, Room, RoomState
-from pdserve.transport.bootstrap import PeerIOError, PeerRejectedError, PeerUnreachableError
-from pdserve.transport.liveness import BootstrapFailed, PrefillLink
+from pdserve.fsm import BOOTSTRAPPED, Room, RoomState, RoomTable
+from pdserve.transport.bootstrap import (
+    BootstrapClient,
+    PeerIOError,
+    PeerRejectedError,
+    PeerUnreachableError,
+)
+from pdserve.transport.config import TransportConfig
+from pdserve.transport.liveness import BootstrapFailed, PrefillLink, PrefillLinkManager
 from pdserve.transport.messages import RoomMsg
-
-if TYPE_CHECKING:
-    from pdserve.transport.receiver import KVReceiver
+from pdserve.transport.stats import ReceiverStats
 
 _BOOTSTRAPPING = RoomState.BOOTSTRAPPING.value
 MAX_POST_ATTEMPTS = 3  # re-register and re-post when the prefill forgot us in between
 
 
 class Handshake:
-    """Runs the hand-shake of the rooms of one :class:`KVReceiver`."""
+    """Runs the hand-shake of one receiver's rooms: its ``table``, its prefill ``links`` and
+    HTTP ``client``; ``fail(room, reason)`` is the receiver's (it records whether the sender
+    is dead, for the fence)."""
 
-    def __init__(self, receiver: KVReceiver) -> None:
-        self.receiver = receiver
+    def __init__(
+        self,
+        config: TransportConfig,
+        client: BootstrapClient,
+        links: PrefillLinkManager,
+        table: RoomTable,
+        counters: ReceiverStats,
+        fail: Callable[[Room, str], None],
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.links = links
+        self.table = table
+        self.counters = counters
+        self.fail = fail
+
+    def is_live(self, room: Room) -> bool:
+        return self.table.get(room.room_id) is room
 
     async def run(self, room: Room) -> None:
         """Register (if needed) and post the room's pages; every failure ends the room."""
-        r = self.receiver
-        assert r.links is not None
         host, port = room.data["host"], room.data["port"]
         for attempt in range(MAX_POST_ATTEMPTS):
             try:
-                link = await r.links.connect(host, port, room.deadline_at or 0.0)
+                link = await self.links.connect(host, port, room.deadline_at or 0.0)
             except BootstrapFailed as e:
-                r.counters.bootstrap_errors += 1
-                r.fail(room, str(e))
+                self.counters.bootstrap_errors += 1
+                self.fail(room, str(e))
                 return
-            if not r.is_live(room):
+            if not self.is_live(room):
                 return  # ended while registering: the sender never saw our pages
             room.data.update(sender_key=link.key, sender_agent=link.agent_name)
             room.data["sender_incarnation"] = link.incarnation
@@ -50,9 +70,7 @@ class Handshake:
 
     async def _post_room(self, room: Room, link: PrefillLink, is_last_try: bool) -> bool:
         """POST the pages; True when done (either way), False to re-register and retry."""
-        r = self.receiver
-        assert r.links is not None
-        cfg = r.config
+        cfg = self.config
         msg = RoomMsg(
             cfg.engine_id,
             cfg.incarnation,
@@ -63,32 +81,34 @@ class Handshake:
         )
         room.data["posted"] = "maybe"
         try:
-            await r.client.post_room(link.host, link.port, room.room_id, msg)
+            await self.client.post_room(link.host, link.port, room.room_id, msg)
         except PeerRejectedError as e:
             room.data["posted"] = "no"
             if e.status == 404 and not is_last_try:  # it forgot us: register again
                 room.data.pop("sender_key", None)  # this room is retried, not failed with the link
-                r.links.lose(link, f"peer_lost: prefill no longer knows this decode ({e})", False)
+                self.links.lose(
+                    link, f"peer_lost: prefill no longer knows this decode ({e})", False
+                )
                 return False
             if e.status == 410:  # the prefill ended this room before our pages got there
                 room.data["peer_aborted"] = True
-                r.fail(room, f"aborted: by prefill ({e.message})")
+                self.fail(room, f"aborted: by prefill ({e.message})")
             else:
-                r.fail(room, f"bootstrap_error: {e}")
+                self.fail(room, f"bootstrap_error: {e}")
             return True
         except (PeerUnreachableError, PeerIOError) as e:
             if isinstance(e, PeerUnreachableError):
                 room.data["posted"] = "no"
-            r.counters.bootstrap_errors += 1
-            r.fail(room, f"bootstrap_error: posting pages: {e}")
+            self.counters.bootstrap_errors += 1
+            self.fail(room, f"bootstrap_error: posting pages: {e}")
             return True
         room.data["posted"] = "yes"
-        if not r.is_live(room):
+        if not self.is_live(room):
             return True  # failed meanwhile: its fence entry already asks the sender
-        if r.links.get(link.host, link.port) is not link:
-            r.fail(room, "peer_lost: prefill link lost while posting pages")
+        if self.links.get(link.host, link.port) is not link:
+            self.fail(room, "peer_lost: prefill link lost while posting pages")
             return True
-        r.table.bind_peer(room.room_id, link.key)
+        self.table.bind_peer(room.room_id, link.key)
         if room.state == _BOOTSTRAPPING:  # data may have overtaken this HTTP answer
-            r.table.fire(room.room_id, BOOTSTRAPPED)
+            self.table.fire(room.room_id, BOOTSTRAPPED)
         return True

@@ -25,8 +25,8 @@ def model_fingerprint(model_config: Any) -> str:
     """A short stable hash of a model's architecture config (a dataclass, e.g. ``ModelConfig``).
 
     Two workers serving the same checkpoint get the same value; a different architecture,
-    size, vocabulary or rope setting changes it. Weights are not hashed (too slow for start-up):
-    the served model name is the other half of the identity check.
+    size, vocabulary or rope setting changes it. Weights are fingerprinted apart
+    (``pdserve.model.fingerprint``), the served model name is the third part of the identity.
     """
     fields = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _NOT_IDENTITY}
     raw = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS, default=_jsonable)
@@ -39,12 +39,16 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"cannot fingerprint {type(value).__name__}")
 
 
-def layout_of(pool: KVPagePool, model: str = "", fingerprint: str = "") -> KVLayoutMsg:
-    """The layout of a local page pool, for registration and the check of a peer's."""
+def layout_of(
+    pool: KVPagePool, model: str = "", fingerprint: str = "", weights: str = ""
+) -> KVLayoutMsg:
+    """The layout of a local page pool, for registration and the check of a peer's;
+    ``weights`` is ``pdserve.model.fingerprint.weights_fingerprint`` of the checkpoint."""
     c = pool.config
     return KVLayoutMsg(
         model=model,
         fingerprint=fingerprint,
+        weights=weights,
         dtype=str(c.dtype).removeprefix("torch."),
         num_layers=c.num_layers,
         num_kv_heads=c.num_kv_heads,
@@ -55,10 +59,11 @@ def layout_of(pool: KVPagePool, model: str = "", fingerprint: str = "") -> KVLay
 
 
 def layout_fingerprint(layout: KVLayoutMsg) -> str:
-    """A short hash of a layout's page shape and model architecture (not its served name).
+    """A short hash of a layout's page shape and model architecture (not its served name, nor
+    its weights: workers publish those apart, so a router's refusal names what differs).
 
     Workers publish it to routers (``/server_info``, registration), which refuse to pair a
     prefill and a decode whose values differ before any bootstrap is tried.
     """
-    fields = {k: v for k, v in dataclasses.asdict(layout).items() if k != "model"}
+    fields = {k: v for k, v in dataclasses.asdict(layout).items() if k not in ("model", "weights")}
     return hashlib.sha256(orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]

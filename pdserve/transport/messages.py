@@ -73,9 +73,10 @@ class KVLayoutMsg:
     """What must match for one engine's KV pages to be another's: the model and the page layout.
 
     ``model`` is the served model name, ``fingerprint`` a hash of the checkpoint's architecture
-    config (``pdserve.transport.layout.model_fingerprint``), ``dtype`` the KV dtype's torch name
-    (``"bfloat16"``). Equal page bytes are not enough: bf16 and fp16 pages, or 32 layers x 8 heads
-    and 64 layers x 4 heads, have the same size and would pair up into garbage.
+    config (``pdserve.transport.layout.model_fingerprint``), ``weights`` one of its tensors
+    (``pdserve.model.fingerprint``: one architecture, other weights), ``dtype`` the KV dtype's
+    torch name (``"bfloat16"``). Equal page bytes are not enough: bf16 and fp16 pages, or 32
+    layers x 8 heads and 64 layers x 4 heads, have the same size and would pair up into garbage.
     """
 
     model: str
@@ -86,6 +87,7 @@ class KVLayoutMsg:
     head_dim: int
     page_size: int
     page_bytes: int
+    weights: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +99,7 @@ class KVLayoutMsg:
         return cls(
             model=_read_opt_str(d, "model"),
             fingerprint=_read_opt_str(d, "fingerprint"),
+            weights=_read_opt_str(d, "weights"),
             dtype=read_str(d, "dtype", max_len=32),
             page_size=read_int(d, "page_size", 1, 1 << 20),
             page_bytes=read_int(d, "page_bytes", 1, 1 << 34),

@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from pdserve.fsm import (
@@ -52,6 +52,7 @@ from pdserve.transport.messages import (
     decode_notif,
 )
 from pdserve.transport.nixl_agent import KVAgent
+from pdserve.transport.stats import ReceiverStats
 from pdserve.transport.wire import MessageError
 
 logger = logging.getLogger(__name__)
@@ -61,25 +62,6 @@ _WAITING = RoomState.WAITING_FOR_INPUT.value
 _SUCCESS = RoomState.SUCCESS.value
 
 ReleaseFn = Callable[[str, list[int]], None]
-
-
-@dataclass(slots=True)
-class ReceiverStats:
-    """Plain counters of one receiver (read at scrape time)."""
-
-    rooms_opened: int = 0
-    rooms_received: int = 0
-    bytes_received: int = 0
-    chunks_received: int = 0
-    aborts_received: int = 0  # AbortNotifMsg from the sender
-    stale_rejected: int = 0  # notifications from another sender incarnation than the room's
-    late_notifs: int = 0  # notifications for rooms that already ended (or another nonce)
-    bad_notifs: int = 0
-    notifs_dropped: int = 0  # fault injection
-    checksum_failures: int = 0
-    bootstrap_errors: int = 0
-    peers_lost: int = 0
-    released_immediately: int = 0  # failed rooms whose pages the sender never had
 
 
 class KVReceiver:
@@ -97,13 +79,15 @@ class KVReceiver:
             config.connect_timeout_s, config.request_timeout_s, config.bootstrap_token
         )
         self.counters = ReceiverStats()
-        self.layout = layout_of(pool, config.model_name, config.model_fingerprint)
+        self.layout = layout_of(
+            pool, config.model_name, config.model_fingerprint, config.weights_fingerprint
+        )
         self._nonces = itertools.count(1)
         self._agent: KVAgent | None = None
         self.links: PrefillLinkManager | None = None
         self._fence: FenceManager | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._handshake = Handshake(self)
+        self._handshake: Handshake | None = None  # needs the links: made in start()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -123,6 +107,9 @@ class KVReceiver:
             self.layout,
         )
         self.links = PrefillLinkManager(cfg, self.client, register, self._on_link_lost)
+        self._handshake = Handshake(
+            cfg, self.client, self.links, self.table, self.counters, self.fail
+        )
         self._fence = FenceManager(cfg, self.client, self._on_fence_lifted)
         self._fence.start()
         logger.info("receiver %s started", cfg.peer_key)
@@ -173,6 +160,7 @@ class KVReceiver:
         """
         self._check_pages(dst_page_ids, num_tokens)
         agent = self.agent
+        assert self._handshake is not None  # made in start(), like the agent
         room = self.table.create(room_id, request_id=request_id, page_ids=list(dst_page_ids))
         room.data.update(
             nonce=next(self._nonces),

@@ -11,31 +11,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+from pdserve.fsm import Room
 from pdserve.transport.agent_config import TransferError
 from pdserve.transport.bootstrap import ProtocolError
 from pdserve.transport.config import peer_key
 from pdserve.transport.descriptors import PoolDescriptor
 from pdserve.transport.liveness import DecodePeer
 from pdserve.transport.messages import RegisterMsg, RegisterReplyMsg
-
-if TYPE_CHECKING:
-    from pdserve.transport.sender import KVSender
+from pdserve.transport.sender_state import SenderState
 
 logger = logging.getLogger(__name__)
 
 
 class PeerRegistrar:
-    """Registers and forgets the decode peers of one :class:`KVSender`."""
+    """Registers and forgets the decode peers of one sender's :class:`SenderState`.
 
-    def __init__(self, sender: KVSender) -> None:
-        self.sender = sender
+    ``release_src(room)`` hands a room's source pages back (a lost peer's writes cannot hurt
+    them); ``on_sweep(now)`` runs after each liveness sweep (the sender prunes its abort memory).
+    """
+
+    def __init__(
+        self,
+        state: SenderState,
+        release_src: Callable[[Room], None],
+        on_sweep: Callable[[float], None],
+    ) -> None:
+        self.state = state
+        self._release_src = release_src
+        self._on_sweep = on_sweep
         self._lock = asyncio.Lock()  # one NIXL peer operation at a time
 
     async def register(self, msg: RegisterMsg) -> RegisterReplyMsg:
         """A decode incarnation registers; a new incarnation replaces (and fails) the old one."""
-        s = self.sender
+        s = self.state
         key = peer_key(msg.engine_id, msg.incarnation)
         self._check(msg, key)
         async with self._lock:  # one NIXL peer operation at a time
@@ -56,7 +66,7 @@ class PeerRegistrar:
         return self._reply()
 
     async def _add_agent_peer(self, msg: RegisterMsg, key: str) -> None:
-        s = self.sender
+        s = self.state
         descriptor = PoolDescriptor(**msg.descriptor.to_dict())
         try:
             await asyncio.wait_for(
@@ -69,7 +79,7 @@ class PeerRegistrar:
 
     def lose(self, key: str, reason: str, is_replaced: bool = False) -> None:
         """Forget a decode incarnation: fail its rooms, free src pages, drop its NIXL metadata."""
-        s = self.sender
+        s = self.state
         if s.peers.remove(key) is None and not is_replaced:
             return  # already forgotten (its rooms failed then; new ones cannot bind to it)
         s.counters.peers_lost += 1
@@ -79,13 +89,13 @@ class PeerRegistrar:
         s.table.fail_peer(key, reason)
         for (peer, _), room in list(s.writes.items()):
             if peer == key:  # a dead peer's memory cannot hurt our pages: no need to wait
-                s.release_src(room)
+                self._release_src(room)
         logger.warning("decode peer %s lost: %s", key, reason)
         s.spawn(self.remove_agent(key), f"kv-forget-{key}")
 
     async def remove_agent(self, key: str) -> None:
         """Drop a forgotten peer's NIXL metadata once no write of ours uses it."""
-        s = self.sender
+        s = self.state
         async with self._lock:
             if s.peers.by_key(key) is not None or any(p == key for p, _ in s.writes):
                 return  # re-registered meanwhile, or a write still uses it (retried after it)
@@ -95,7 +105,7 @@ class PeerRegistrar:
 
     async def sweep_loop(self) -> None:
         """Every quarter heartbeat: lose peers silent for two intervals; prune abort memory."""
-        s = self.sender
+        s = self.state
         period = s.config.heartbeat_interval_s / 4
         loop = asyncio.get_running_loop()
         expected = loop.time() + period
@@ -111,31 +121,31 @@ class PeerRegistrar:
             for peer in s.peers.expired(now):
                 silent = now - peer.last_seen
                 self.lose(peer.key, f"peer_lost: no heartbeat for {silent:.2f}s")
-            s.prune_aborts(now)
+            self._on_sweep(now)
 
     def check_stale(self, engine_id: str, incarnation: str) -> None:
         """Raise 409 (counted) for a message from a replaced incarnation."""
         try:
-            self.sender.peers.check_not_stale(engine_id, incarnation)
+            self.state.peers.check_not_stale(engine_id, incarnation)
         except ProtocolError:
-            self.sender.counters.stale_rejected += 1
+            self.state.counters.stale_rejected += 1
             raise
 
     def require(self, engine_id: str, incarnation: str) -> DecodePeer:
         """The current registration of this incarnation (touched), else 409/404."""
         self.check_stale(engine_id, incarnation)
-        return self.sender.peers.require(engine_id, incarnation, asyncio.get_running_loop().time())
+        return self.state.peers.require(engine_id, incarnation, asyncio.get_running_loop().time())
 
     def touch(self, engine_id: str, incarnation: str) -> bool:
         """Record a sign of life; False when this incarnation is not (or no longer) registered."""
-        peer = self.sender.peers.get(engine_id)
+        peer = self.state.peers.get(engine_id)
         if peer is None or peer.incarnation != incarnation:
             return False
         peer.last_seen = asyncio.get_running_loop().time()
         return True
 
     def _check(self, msg: RegisterMsg, key: str) -> None:
-        s = self.sender
+        s = self.state
         if msg.agent_name != key:
             raise ProtocolError(400, "bad_agent_name", f"agent_name must be {key!r}")
         mismatches = s.layout.mismatches(msg.layout, us="prefill", them="decode")
@@ -154,5 +164,5 @@ class PeerRegistrar:
             )
 
     def _reply(self) -> RegisterReplyMsg:
-        cfg = self.sender.config
+        cfg = self.state.config
         return RegisterReplyMsg(cfg.engine_id, cfg.incarnation, cfg.peer_key)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from pdserve.fsm import (
@@ -47,6 +47,8 @@ from pdserve.transport.messages import (
 from pdserve.transport.nixl_agent import KVAgent, TransferError
 from pdserve.transport.observer import TransferObserver
 from pdserve.transport.registrar import PeerRegistrar
+from pdserve.transport.sender_state import SenderState
+from pdserve.transport.stats import SenderStats
 from pdserve.transport.wire import encode
 from pdserve.transport.writer import RoomWriter
 
@@ -54,27 +56,6 @@ logger = logging.getLogger(__name__)
 
 _FAILED = RoomState.FAILED.value
 _WAITING = RoomState.WAITING_FOR_INPUT.value
-
-
-@dataclass(slots=True)
-class SenderStats:
-    """Plain counters of one sender (read at scrape time)."""
-
-    rooms_opened: int = 0
-    rooms_sent: int = 0  # rooms whose last chunk landed
-    bytes_sent: int = 0
-    chunks_sent: int = 0
-    transfer_errors: int = 0
-    kv_not_ready: int = 0  # rooms failed because their KV never became ready on the device
-    peers_registered: int = 0
-    peers_lost: int = 0
-    aborts_sent: int = 0  # AbortNotifMsg sent to decode (both fenced and not)
-    aborts_received: int = 0  # POST /abort
-    acks_deferred: int = 0  # abort answered "not yet" because a write was outstanding
-    duplicate_rejected: int = 0
-    stale_rejected: int = 0
-    late_rejected: int = 0  # dst posts for rooms that were already aborted (410)
-    peak_writes_outstanding: int = 0  # high-water mark of concurrent write windows
 
 
 class KVSender:
@@ -87,24 +68,28 @@ class KVSender:
         on_release: Callable[[str, list[int]], None],
         observer: TransferObserver | None = None,
     ) -> None:
-        self.config = config
-        self.pool = pool
-        self.table = RoomTable(RoomSide.SENDER, config.deadlines, on_release=self._on_room_release)
-        self.peers = DecodePeerManager(config.peer_lost_after_s)
+        table = RoomTable(RoomSide.SENDER, config.deadlines, on_release=self._on_room_release)
+        layout = layout_of(
+            pool, config.model_name, config.model_fingerprint, config.weights_fingerprint
+        )
+        peers = DecodePeerManager(config.peer_lost_after_s)
+        # What the writer and the registrar share with us (they never see the sender itself).
+        self.state = SenderState(config, pool, table, peers, maybe_injector(config.faults), layout)
+        self.config, self.pool, self.table, self.peers = config, pool, table, peers
+        self.faults, self.layout = self.state.faults, layout
+        self.counters: SenderStats = self.state.counters
+        self.writes = self.state.writes  # (decode peer key, nonce) -> room, window open
         self._on_release = on_release
-        self.faults = maybe_injector(config.faults)
         self._server = BootstrapServer(
             self, config.bootstrap_host, config.bootstrap_port, config.max_room_pages,
             config.bootstrap_token,
         )  # fmt: skip
-        self.counters = SenderStats()
-        self.layout = layout_of(pool, config.model_name, config.model_fingerprint)
-        self._agent: KVAgent | None = None
-        self._writer = RoomWriter(self, observer or TransferObserver())
-        self.writes = self._writer.writes  # (decode peer key, nonce) -> room, window open
-        self.registrar = PeerRegistrar(self)
+        self.registrar = PeerRegistrar(self.state, self.release_src, self.prune_aborts)
+        self._writer = RoomWriter(
+            self.state, observer or TransferObserver(), self.after_write, self.registrar.lose
+        )
         self._recent_aborts: OrderedDict[str, tuple[float, str]] = OrderedDict()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = self.state.tasks
         self._sweeper: asyncio.Task[None] | None = None
         self._is_stopping = False
 
@@ -118,15 +103,14 @@ class KVSender:
     @property
     def agent(self) -> KVAgent:
         """The NIXL agent (after start())."""
-        if self._agent is None:
-            raise RuntimeError("KVSender.start() was not called")
-        return self._agent
+        return self.state.agent
 
     async def start(self) -> None:
         """Start the NIXL agent, the bootstrap server and the liveness sweep."""
         loop = asyncio.get_running_loop()
-        self._agent = KVAgent(self.config.peer_key, self.pool, loop, self._on_notif)
-        self._agent.start()
+        agent = KVAgent(self.config.peer_key, self.pool, loop, self._on_notif)
+        self.state.started_agent = agent
+        agent.start()
         await self._server.start()
         self._sweeper = loop.create_task(self.registrar.sweep_loop(), name="kv-sender-liveness")
         logger.info(
@@ -145,8 +129,8 @@ class KVSender:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._agent is not None:
-            await self._agent.close()
+        if self.state.started_agent is not None:
+            await self.state.started_agent.close()
         logger.info("sender %s stopped", self.config.peer_key)
 
     # -- engine API ----------------------------------------------------------------------------
@@ -357,18 +341,8 @@ class KVSender:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def fail_if_live(self, room: Room, reason: str) -> None:
-        if self.table.get(room.room_id) is room:
-            self.table.fail(room.room_id, reason)
-
-    def fire(self, room: Room, trigger: str) -> bool:
-        # By object, not id: a new room may reuse the id of one that ended meanwhile.
-        return self.table.get(room.room_id) is room and self.table.fire(room.room_id, trigger)
-
     def spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.state.spawn(coro, name)
 
     def _remember_abort(self, room_id: str, reason: str) -> None:
         now = asyncio.get_running_loop().time()

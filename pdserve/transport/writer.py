@@ -4,14 +4,14 @@ Each chunk is one NIXL WRITE with its ``DataNotifMsg`` attached, so the receiver
 never overtake the data. No WRITE is posted before the room's :class:`KVReady` marker completed
 (the prefill forward that wrote the pages is done on the device). A room's *write window* is
 open from :meth:`RoomWriter.begin` until its task ends (the readiness wait and delay faults sit
-inside it); the sender's aborts and page releases wait for it (``KVSender._after_write``).
+inside it); the sender's aborts and page releases wait for it (``on_window_closed``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from pdserve.fsm import BEGIN_TRANSFER, CHUNK_SENT, TRANSFER_DONE, Room
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, wait_kv_ready
@@ -19,14 +19,10 @@ from pdserve.transport.agent_config import TransferError
 from pdserve.transport.checksum import page_checksum_off_loop
 from pdserve.transport.messages import DataNotifMsg
 from pdserve.transport.observer import TransferObserver
+from pdserve.transport.sender_state import SenderState
 from pdserve.transport.wire import encode
 
-if TYPE_CHECKING:
-    from pdserve.transport.sender import KVSender
-
 logger = logging.getLogger(__name__)
-
-WriteKey = tuple[str | None, int]  # (decode peer key, the room's nonce)
 
 
 def pages_to_write(room: Room) -> list[int]:
@@ -36,16 +32,28 @@ def pages_to_write(room: Room) -> list[int]:
 
 
 class RoomWriter:
-    """Writes rooms of one :class:`KVSender` (its room table, agent, counters and peer loss)."""
+    """Writes the rooms of one sender's :class:`SenderState` (its table, agent and counters).
 
-    def __init__(self, sender: KVSender, observer: TransferObserver) -> None:
-        self.sender = sender
+    ``on_window_closed(room)`` runs when a room's write window closes (the sender releases what
+    waited for it); ``lose_peer(key, reason)`` when a write failed for its decode peer.
+    """
+
+    def __init__(
+        self,
+        state: SenderState,
+        observer: TransferObserver,
+        on_window_closed: Callable[[Room], None],
+        lose_peer: Callable[[str, str], None],
+    ) -> None:
+        self.state = state
         self.observer = observer
-        self.writes: dict[WriteKey, Room] = {}  # rooms whose write window is open
+        self.writes = state.writes  # rooms whose write window is open
+        self._on_window_closed = on_window_closed
+        self._lose_peer = lose_peer
 
     def begin(self, room: Room) -> None:
         """Both ends are there (pages to send, destination pages): start the room's transfer."""
-        s = self.sender
+        s = self.state
         src, dst = pages_to_write(room), room.data["dst"]
         if not src:
             s.table.fail(
@@ -70,7 +78,7 @@ class RoomWriter:
             s.spawn(self._transfer(room), f"kv-send-{room.room_id}")
 
     async def _transfer(self, room: Room) -> None:
-        s = self.sender
+        s = self.state
         write_key = (room.peer, room.data["nonce"])
         try:
             started = await self._kv_ready(room)
@@ -87,7 +95,7 @@ class RoomWriter:
             # outlived a loss) must not take down a re-registration of the same peer.
             registration = room.data.get("registration")
             if registration is not None and s.peers.by_key(registration.key) is registration:
-                s.registrar.lose(registration.key, f"transfer_error: {e}")
+                self._lose_peer(registration.key, f"transfer_error: {e}")
             else:
                 s.fail_if_live(room, f"transfer_error: {e}")
         except ValueError as e:  # bad page lists: this room's problem, not the peer's
@@ -96,7 +104,7 @@ class RoomWriter:
         finally:
             self.writes.pop(write_key, None)
             room.data["writing"] = False
-            s.after_write(room)
+            self._on_window_closed(room)
 
     async def _kv_ready(self, room: Room) -> float | None:
         """Wait (polling, bounded) until the forward that wrote the room's pages is done on the
@@ -105,18 +113,18 @@ class RoomWriter:
         loop = asyncio.get_running_loop()
         asked = loop.time()
         marker: KVReady = room.data.get("kv_ready", ALWAYS_READY)
-        timeout_s = self.sender.config.kv_ready_timeout_s
+        timeout_s = self.state.config.kv_ready_timeout_s
         if await wait_kv_ready(marker, timeout_s, lambda: room.is_terminal):
             now = loop.time()
             self.observer.on_kv_ready_wait(now - asked)
             return None if room.is_terminal else now
         if not room.is_terminal:
-            self.sender.counters.kv_not_ready += 1
-            self.sender.fail_if_live(room, f"transfer_error: kv not ready after {timeout_s:.1f}s")
+            self.state.counters.kv_not_ready += 1
+            self.state.fail_if_live(room, f"transfer_error: kv not ready after {timeout_s:.1f}s")
         return None
 
     async def _write_chunks(self, room: Room) -> None:
-        s = self.sender
+        s = self.state
         faults = s.faults
         src = pages_to_write(room)
         dst = room.data["dst"][: len(src)]
@@ -142,7 +150,7 @@ class RoomWriter:
     async def _data_notif(
         self, room: Room, chunk: int, is_last: bool, num_pages: int
     ) -> DataNotifMsg:
-        s = self.sender
+        s = self.state
         checksum = None
         if is_last and s.config.checksum:
             checksum = await page_checksum_off_loop(s.pool.kv, pages_to_write(room))
@@ -160,10 +168,10 @@ class RoomWriter:
         )
 
     def _record_success(self, room: Room, started: float) -> None:
-        s = self.sender
+        s = self.state
         s.counters.rooms_sent += 1
         seconds = asyncio.get_running_loop().time() - started
         self.observer.on_room_sent(seconds, len(pages_to_write(room)) * s.pool.page_bytes)
         peer, faults = room.peer, s.faults
         if peer is not None and faults is not None and faults.should_drop_peer(peer):
-            s.registrar.lose(peer, "peer_lost: fault injection")
+            self._lose_peer(peer, "peer_lost: fault injection")

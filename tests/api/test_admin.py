@@ -32,6 +32,7 @@ async def test_server_info_describes_the_engine(client: TestClient, engine: Fake
         "max_model_len": engine.info.max_model_len,
         "dtype": "",  # the fake engine publishes no KV layout (a Server fills both in)
         "kv_layout": "",
+        "weights": "",
         "extra": {},
         "load": {**engine.load(), "draining": False},
     }

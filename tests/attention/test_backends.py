@@ -14,7 +14,7 @@ from pdserve.attention.backend import AttentionBackend, AttentionConfig
 from pdserve.attention.factory import create_backend
 from pdserve.kernels import triton as triton_kernels
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
-from pdserve.kernels.paged_decode import load_kernel
+from pdserve.kernels.paged_attention import load_kernel
 from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
 from pdserve.sequence import Sequence
 

@@ -8,7 +8,7 @@ import torch
 from pdserve.attention.backend import AttentionConfig
 from pdserve.attention.factory import choose_backend, create_backend
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
-from pdserve.kernels.paged_decode import load_kernel
+from pdserve.kernels.paged_attention import load_kernel
 
 CPU = torch.device("cpu")
 HAS_CPP = load_kernel(torch.float32, 64) is not None

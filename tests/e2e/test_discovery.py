@@ -11,7 +11,15 @@ import orjson
 import pytest
 
 from pdserve.transport.bootstrap import TOKEN_HEADER
-from tests.e2e.conftest import WORKER_ARGS, Proc, fetch, free_port, get_json, wait_for
+from tests.e2e.conftest import (
+    ROUTER_PD_READY,
+    WORKER_ARGS,
+    Proc,
+    fetch,
+    free_port,
+    get_json,
+    wait_for,
+)
 
 TOKEN = "e2e-bootstrap-secret"
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
@@ -39,7 +47,8 @@ def fleet(tmp_path: Path, demo_model_dir: Path) -> Iterator[tuple[list[Proc], Pr
         port = free_port()
         argv = ["router", "--port", str(port), "--health-interval", "0.3"]
         url = f"http://127.0.0.1:{port}"
-        routers.append(Proc(f"router-{i}", argv, url, tmp_path / f"router-{i}.log"))
+        log = tmp_path / f"router-{i}.log"
+        routers.append(Proc(f"router-{i}", argv, url, log, ready_path=ROUTER_PD_READY))
     prefill = registered_worker(tmp_path, "prefill", demo_model_dir, routers)
     decode = registered_worker(tmp_path, "decode", demo_model_dir, routers)
     procs = [*routers, prefill, decode]

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.model.config import ModelConfig
+from pdserve.model.fingerprint import weights_fingerprint
 from pdserve.transport import KVAgent
 from pdserve.transport.layout import layout_of, model_fingerprint
 from pdserve.transport.messages import PoolDescMsg, RegisterMsg
@@ -239,7 +240,8 @@ class Rogue:
         self.ident = {"engine_id": "rogue", "incarnation": incarnation}
         loop = asyncio.get_running_loop()
         pool = KVPagePool(kv)
-        self.layout = layout_of(pool, "demo", model_fingerprint(ModelConfig.from_dir(model_dir)))
+        arch = model_fingerprint(ModelConfig.from_dir(model_dir))
+        self.layout = layout_of(pool, "demo", arch, weights_fingerprint(model_dir))
         self.agent = KVAgent(f"rogue@{incarnation}", pool, loop, lambda *_: None)
         self.agent.start()
 

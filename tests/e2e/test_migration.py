@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
+from bench.sse import choice_text, sse_events
 from tests.e2e.conftest import (
     Proc,
     assign_distinct_ports,
@@ -93,22 +94,18 @@ async def _stream(
     timeout = aiohttp.ClientTimeout(total=180)
     async with s.post(url + path, data=orjson.dumps(body), timeout=timeout) as resp:
         assert resp.status == 200, await resp.read()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+        async for sse in sse_events(resp):
+            event = sse.data
+            if event is None:
                 out.saw_done = True
                 continue
-            event = orjson.loads(payload)
             if "error" in event:
                 out.errors.append(event["error"])
                 continue
             out.ids.add(event["id"])
             out.usage = event.get("usage") or out.usage
             for choice in event["choices"]:
-                text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                text = choice_text(choice)
                 out.text += text
                 out.finish_reason = choice.get("finish_reason") or out.finish_reason
                 if text:

@@ -38,7 +38,7 @@ from tests.e2e.conftest import (
     worker,
 )
 
-HEARTBEAT_S = 0.5  # tests/e2e/conftest.py WORKER_ARGS
+HEARTBEAT_S = 0.5  # tests/e2e/procs.py WORKER_ARGS
 LOST_AFTER_S = 2 * HEARTBEAT_S  # a peer silent this long is declared lost
 SLACK_S = 2.0  # a loaded 2-core machine
 CONNECT_TIMEOUT_S = 2.0  # TransportConfig.connect_timeout_s: refused connections -> bootstrap_error

@@ -75,3 +75,29 @@ async def test_text_held_back_by_a_stop_string_is_sent_after_resuming(runner: Mo
         await assert_idle(engine)
     finally:
         await engine.stop()
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11])
+async def test_a_resume_is_one_prefill_and_continues_with_the_same_logprobs(
+    runner: ModelRunner, cut: int
+):
+    """The resumed tokens' KV comes from one prefill of prompt + tokens (no step per token
+    streamed before), and by batch invariance the continuation's logprobs are the
+    uninterrupted run's, bit for bit."""
+    engine = await started(runner)
+    try:
+        prompt = runner.tokenizer.encode("Once upon a time")
+        sp = dict(max_tokens=14, ignore_eos=True, temperature=0.0, logprobs=True, top_logprobs=2)
+        full = await _run(engine, "full", prompt, None, **sp)
+        full_lps = [(lp.token_id, lp.logprob, lp.top) for o in full for lp in o.logprobs or []]
+        ids = [t for t, _, _ in full_lps]
+        decode_steps = runner.stats.num_decode_steps
+        resume = ResumeState(tuple(ids[:cut]), 0)
+        rest = await _run(engine, "resumed", prompt, resume, **sp)
+        rest_lps = [(lp.token_id, lp.logprob, lp.top) for o in rest for lp in o.logprobs or []]
+        assert rest_lps == full_lps[cut:]
+        # One prefill gave the first new token; each later token is one decode step.
+        assert runner.stats.num_decode_steps - decode_steps == 14 - cut - 1
+        await assert_idle(engine)
+    finally:
+        await engine.stop()

@@ -126,7 +126,7 @@ async def test_running_stream_gets_a_token_every_step_of_a_long_prompts_prefill(
 ):
     engine = await started(f32_runner, max_prefill_tokens=12, prefix_caching=False)
     steps: list[tuple[list[str], list[tuple[str, int]]]] = []
-    step = engine._step
+    step = engine.steps.run
 
     def spy(seqs):  # noqa: ANN001, ANN202 (the runner-thread job of one step)
         decode, prefill = seqs
@@ -134,7 +134,7 @@ async def test_running_stream_gets_a_token_every_step_of_a_long_prompts_prefill(
         steps.append(([r.request_id for r in decode], new))
         return step(seqs)
 
-    monkeypatch.setattr(engine, "_step", spy)
+    monkeypatch.setattr(engine.steps, "run", spy)
     try:
         stream = asyncio.create_task(
             collect(engine, "stream", [5, 6, 7], max_tokens=40, temperature=0, ignore_eos=True)

@@ -240,3 +240,21 @@ def test_with_nothing_running_a_ready_request_runs_so_its_pages_come_back():
     s.ready.append(late)
     s.add(make_req("old", 3))  # needs that page for its re-prefill
     assert s.schedule().decode == [late]
+
+
+def test_the_prompt_tokens_still_to_prefill_are_the_backlog_a_router_weighs():
+    s = chunked_scheduler(max_prefill_tokens=8)
+    assert s.num_prompt_tokens_queued() == 0
+    long, short = make_req("long", 20), make_req("short", 3)
+    s.add(long)
+    s.add(short)
+    assert s.num_prompt_tokens_queued() == 23
+    batch = s.schedule()  # the first 8 tokens of the long prompt
+    assert s.prefilled(long, batch.prefill_ends[0]) is False
+    assert s.num_prompt_tokens_queued() == 12 + 3
+    while s.num_prompt_tokens_queued():
+        batch = s.schedule()
+        for req, end in zip(batch.prefill, batch.prefill_ends, strict=True):
+            if s.prefilled(req, end):
+                req.move(RequestState.RUNNING, "test")
+    assert long.state is short.state is RequestState.RUNNING

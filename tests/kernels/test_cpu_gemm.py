@@ -12,9 +12,9 @@ module = cpu_ext.load()
 pytestmark = pytest.mark.skipif(module is None, reason="kernel needs AVX2 and a C++ compiler")
 
 
-def _packed(w: torch.Tensor) -> cpu_gemm.PackedBF16Weight:
+def _packed(w: torch.Tensor) -> cpu_gemm.PackedDenseWeight:
     assert module is not None
-    return cpu_gemm.PackedBF16Weight(module, w)
+    return cpu_gemm.PackedDenseWeight(module, w)
 
 
 # rows 1..13 cover every row-group split (1, 2..6, 7 = 4 + 3, 8 = 4 + 4, 13 = 5 + 4 + 4);

@@ -1,4 +1,4 @@
-"""Linear: few rows go to the bf16 kernel (or torch), many rows to float32; the dtype is kept."""
+"""Linear: one kernel for every row count; a row's output bits never depend on its batch."""
 
 from __future__ import annotations
 
@@ -6,74 +6,72 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ext, linear
+from pdserve.kernels import cpu_ext
 from pdserve.kernels.linear import Linear
 
+HAS_KERNEL = cpu_ext.load() is not None
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="the C++ CPU kernels do not run here")
+ROW_COUNTS = (1, 3, 8, 64, 300)
 
-def test_rows_below_threshold_match_the_float32_product() -> None:
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_float32_rows_match_the_float64_product_of_the_stored_weights(
+    weight_dtype: torch.dtype,
+) -> None:
+    w, b = torch.randn(40, 72, dtype=weight_dtype), torch.randn(40)
+    x = torch.randn(5, 72)
+    out = Linear(w, b, torch.float32)(x)
+    assert out.dtype == torch.float32
+    expected = F.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_a_row_has_the_same_bits_at_every_row_count(weight_dtype: torch.dtype) -> None:
+    """The row alone, among 3 or 8 decode rows, in a 64-row chunk and in a 300-row prompt (row
+    blocks and thread chunks differ across these) gives one result, bit for bit."""
+    torch.manual_seed(0)
+    lin = Linear(torch.randn(200, 96, dtype=weight_dtype), torch.randn(200), torch.float32)
+    row = torch.randn(1, 96)
+    alone = lin(row)
+    for num_rows in ROW_COUNTS[1:]:
+        for at in (0, num_rows // 2, num_rows - 1):
+            batch = torch.randn(num_rows, 96)
+            batch[at] = row[0]
+            assert torch.equal(lin(batch)[at], alone[0]), (num_rows, at)
+
+
+@needs_kernel
+def test_the_thread_count_does_not_change_a_row() -> None:
+    lin = Linear(torch.randn(512, 128, dtype=torch.bfloat16), None, torch.float32)
+    x = torch.randn(64, 128)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        two = lin(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_without_the_kernel_torch_runs_in_the_activation_dtype() -> None:
     w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
-    x = torch.randn(3, 8, dtype=torch.bfloat16)
-    expected = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
-    torch.testing.assert_close(Linear(w, b, fp32_min_rows=4)(x), expected, atol=1e-2, rtol=1e-2)
-
-
-def test_without_the_kernel_few_rows_use_the_weight_as_is() -> None:
-    w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
-    x = torch.randn(3, 8, dtype=torch.bfloat16)
-    lin = Linear(w, b, fp32_min_rows=4, use_kernel=False)
+    x = torch.randn(3, 8)
+    lin = Linear(w, b, torch.float32, use_kernel=False)
     assert lin.kernel is None
-    assert torch.equal(lin(x), F.linear(x, w, b))
+    assert torch.equal(lin(x), F.linear(x, w.float(), b.float()))
 
 
-def test_many_rows_run_in_float32_and_return_the_input_dtype() -> None:
-    w, b = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
-    x = torch.randn(5, 8, dtype=torch.bfloat16)
-    lin = Linear(w, b, fp32_min_rows=4, use_kernel=False)
-    out = lin(x)
-    expected = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)  # one bf16 rounding apart
-    assert lin.num_extra_bytes == (6 * 8 + 6) * 4
-
-
-def test_extra_bytes_count_the_packed_and_float32_copies() -> None:
-    assert Linear(torch.randn(4, 4), fp32_min_rows=1).num_extra_bytes == 0
-    assert Linear(torch.randn(4, 4, dtype=torch.bfloat16), use_kernel=False).num_extra_bytes == 0
+def test_num_bytes_counts_the_weight_as_it_runs() -> None:
+    assert Linear(torch.randn(6, 8, dtype=torch.bfloat16), use_kernel=False).num_bytes == 6 * 8 * 2
     lin = Linear(torch.randn(20, 4, dtype=torch.bfloat16))
     if lin.kernel is not None:  # packed into 2 panels of 16 columns, zero padded
-        assert lin.num_extra_bytes == 32 * 4 * 2
+        assert lin.num_bytes == 32 * 4 * 2
 
 
-def test_packed_float32_path_matches_plain_float32_gemm_for_any_leading_shape() -> None:
-    w, b = torch.randn(300, 256, dtype=torch.bfloat16), torch.randn(300, dtype=torch.bfloat16)
-    lin = Linear(w, b, fp32_min_rows=8)
-    for shape in ((8, 256), (33, 256), (4, 9, 256)):
-        x = torch.randn(*shape, dtype=torch.bfloat16)
-        plain = F.linear(x.float(), w.float(), b.float())
-        torch.testing.assert_close(lin._linear_f32(x.float()), plain, atol=1e-4, rtol=1e-5)
-
-
-def test_kernel_is_used_for_bf16_weights_where_the_cpu_supports_it() -> None:
-    lin = Linear(torch.randn(16, 8, dtype=torch.bfloat16))
-    assert (lin.kernel is not None) == (cpu_ext.load() is not None)
-    assert Linear(torch.randn(16, 8)).kernel is None  # float32 weights: torch is fine
-
-
-def test_float32_switch_depends_on_whether_the_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 on an AVX2 CPU switches to float32 copies later with the kernel than with torch's
-    bf16 matmul, and a decode-only worker with the kernel makes none; float32 models and CPUs
-    with native bf16 GEMM never make copies."""
-    cpu = torch.device("cpu")
-    assert linear.auto_fp32_min_rows(cpu, torch.float32) is None
-    if linear.has_fast_bf16_matmul(cpu):
-        assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) is None
-        return
-    monkeypatch.setattr(linear.cpu_ext, "load", lambda: None)
-    without_kernel = linear.FP32_MIN_ROWS_VS_TORCH_BF16
-    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) == without_kernel
-    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16, prefills_prompts=False) == without_kernel
-    monkeypatch.setattr(linear.cpu_ext, "load", lambda: object())
-    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16) == linear.FP32_MIN_ROWS_VS_KERNEL
-    assert linear.FP32_MIN_ROWS_VS_TORCH_BF16 < linear.FP32_MIN_ROWS_VS_KERNEL
-    # A decode-only worker with the kernel: no copies (its batches stay below the switch).
-    assert linear.auto_fp32_min_rows(cpu, torch.bfloat16, prefills_prompts=False) is None
+def test_kernel_is_used_for_bf16_and_float32_weights_where_the_cpu_supports_it() -> None:
+    assert (Linear(torch.randn(16, 8, dtype=torch.bfloat16)).kernel is not None) == HAS_KERNEL
+    assert (Linear(torch.randn(16, 8)).kernel is not None) == HAS_KERNEL

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.paged_decode import (
+from pdserve.kernels.paged_attention import (
     load_kernel,
     paged_decode_attention,
     reference_paged_decode_attention,

@@ -74,6 +74,8 @@ class FakeWorker:
         self.cancelled: list[str] = []  # handlers cancelled: the router went away
         self.num_health_checks = 0
         self.load: dict[str, Any] | None = None  # reported as server_info.load when set
+        self.tokenized: list[dict[str, Any]] = []  # /tokenize bodies (a token per word)
+        self.is_tokenize_broken = False  # /tokenize answers 500
         self._abort_events: dict[str, asyncio.Event] = {}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -94,6 +96,7 @@ class FakeWorker:
         app.router.add_get("/health/ready", self._ready)
         app.router.add_get("/server_info", self._server_info)
         app.router.add_post("/abort/{rid}", self._abort)
+        app.router.add_post("/tokenize", self._tokenize)
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
         )
@@ -138,6 +141,14 @@ class FakeWorker:
         if self.load is not None:
             info["load"] = self.load
         return web.json_response(info)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.tokenized.append(body)
+        if self.is_tokenize_broken:
+            return _error(500, "tokenizer broke")
+        text = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
+        return web.json_response({"count": len(text.split()), "max_model_len": 4096})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -303,6 +314,7 @@ async def make_worker(board: KVBoard) -> AsyncIterator[Callable[..., Awaitable[F
 
 TEST_CONFIG = RouterConfig(
     port=0,
+    policy="round_robin",  # the tests' expectations of who gets what; auto has its own
     health_interval_s=30.0,  # tests drive probes with router.health.check_all()
     health_timeout_s=1.0,
     connect_timeout_s=1.0,

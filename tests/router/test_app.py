@@ -80,6 +80,32 @@ async def test_health_and_readiness(make_worker, make_router):
     assert (await call("GET", router.url + "/health/ready"))[0] == 200
 
 
+async def test_readiness_counts_the_decode_fallback_and_health_pd_the_pd_path(
+    make_worker, make_router
+):
+    decode = await make_worker("decode")
+    serving = await make_router(decode_urls=(decode.url,), is_ready_required=False)
+    status, body = await call("GET", serving.url + "/health/ready")
+    assert status == 200  # a decode prefills requests itself: the router serves
+    assert orjson.loads(body) | {"available": None} == {
+        "ready": True, "mode": "serving", "pd_path": False, "serving_path": True,
+        "draining": False, "available": None,
+    }  # fmt: skip
+    status, body = await call("GET", serving.url + "/health/pd")
+    assert status == 503 and orjson.loads(body)["mode"] == "pd"
+    pd_mode = await make_router(decode_urls=(decode.url,), is_ready_required=False, readiness="pd")
+    assert (await call("GET", pd_mode.url + "/health/ready"))[0] == 503
+    no_fallback = await make_router(
+        decode_urls=(decode.url,), is_ready_required=False, enforce_disagg=True
+    )
+    assert (await call("GET", no_fallback.url + "/health/ready"))[0] == 503
+    prefill = await make_worker("prefill")
+    for router in (serving, pd_mode):
+        await call("POST", router.url + "/workers", json={"url": prefill.url, "role": "prefill"})
+        assert (await call("GET", router.url + "/health/ready"))[0] == 200
+        assert (await call("GET", router.url + "/health/pd"))[0] == 200
+
+
 async def test_metrics_report_requests_retries_in_flight_and_latency(make_worker, make_router):
     bad, good = await make_worker("prefill"), await make_worker("prefill")
     decode = await make_worker("decode")

@@ -206,9 +206,10 @@ async def test_peer_failure_reply_is_retried_without_tripping_the_workers_breake
 ):
     prefill, decode = await make_worker("prefill"), await make_worker("decode")
     prefill.fail_status, prefill.fail_code = 503, "transfer_error"
+    # enforce_disagg: the retry goes to the same pair, not to the decode alone.
     router = await make_router(
         prefill_urls=(prefill.url,), decode_urls=(decode.url,), max_attempts=2,
-        breaker_failures=1,
+        breaker_failures=1, enforce_disagg=True,
     )  # fmt: skip
     status, raw = await post(router, CHAT, rid="pl-1")
     assert status == 503 and b"told to fail" in raw

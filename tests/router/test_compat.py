@@ -41,6 +41,16 @@ def test_the_odd_worker_out_is_refused_whatever_its_role_or_arrival():
         assert "dtype 'float16' != 'bfloat16'" in out["http://odd:1"]
 
 
+def test_one_architecture_with_other_weights_is_not_paired():
+    tuned = Identity("m", "bfloat16", "L1", weights="w-tuned")
+    base = Identity("m", "bfloat16", "L1", weights="w-base")
+    assert "weights 'w-tuned' != 'w-base'" in (tuned.mismatch(base) or "")
+    workers = [W("http://p:1", "prefill", base), W("http://d:1", "decode", base)]
+    workers.append(W("http://d:2", "decode", tuned))
+    assert list(incompatible(workers)) == ["http://d:2"]
+    assert Identity("m", "bfloat16", "L1").mismatch(base) is None  # not published: any
+
+
 def test_a_tie_keeps_the_first_registered_and_refuses_the_other():
     workers = [W("http://p:1", "prefill", A), W("http://d:1", "decode", Identity("b", "", ""))]
     assert list(incompatible(workers)) == ["http://d:1"]

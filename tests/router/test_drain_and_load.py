@@ -66,11 +66,14 @@ async def test_no_decode_with_room_answers_429_at_once_and_computes_nothing(
     assert error["type"] == "rate_limit_error" and error["code"] == "overloaded"
     assert "KV pages" in error["message"]
     assert prefill.requests == [] and decode.requests == []
-    assert (await post(router, {**CHAT, "max_tokens": 16}))[0] == 200  # one that fits goes
+    # One that fits goes: 15 out + its prompt "hi", one token by the worker's /tokenize count.
+    assert (await post(router, {**CHAT, "max_tokens": 15}))[0] == 200
+    assert (await post(router, {**CHAT, "max_tokens": 16}))[0] == 429
+    assert len(prefill.tokenized) == 2
     # Over the context window (4096): the worker's own 400 is the answer, not a 429.
     assert (await post(router, {**CHAT, "max_tokens": 10**6}))[0] == 200  # the fake serves it
     _, metrics = await _get(router.url + "/metrics")
-    assert b"pdserve_router_requests_shed_total 1.0" in metrics
+    assert b"pdserve_router_requests_shed_total 2.0" in metrics
 
 
 async def test_router_drain_finishes_streams_and_turns_new_requests_away(

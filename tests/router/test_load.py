@@ -7,9 +7,10 @@ import pytest
 from pdserve.router.load import (
     WorkerLoad,
     admission_refusal,
+    backlog_refusal,
     load_score,
+    output_budget,
     refusal,
-    tokens_needed,
 )
 
 
@@ -41,11 +42,10 @@ def test_the_score_takes_the_larger_count_then_prefers_free_pages() -> None:
     assert load_score(3, None) == (3, 0)
 
 
-def test_tokens_needed_is_the_output_budget_plus_token_id_prompts() -> None:
-    assert tokens_needed({"max_tokens": 40, "prompt": "a long text"}) == 40
-    assert tokens_needed({"max_completion_tokens": 8, "max_tokens": 99}) == 8
-    assert tokens_needed({"max_tokens": 4, "prompt": [1, 2, 3]}) == 7
-    assert tokens_needed({"max_tokens": "9"}) == 0
+def test_the_output_budget_is_max_completion_tokens_else_max_tokens() -> None:
+    assert output_budget({"max_tokens": 40, "prompt": "a long text"}) == 40
+    assert output_budget({"max_completion_tokens": 8, "max_tokens": 99}) == 8
+    assert output_budget({"max_tokens": "9"}) == 0
 
 
 def test_a_worker_refuses_when_draining_queued_over_the_limit_or_short_of_pages() -> None:
@@ -65,3 +65,24 @@ def test_admission_refuses_only_when_every_worker_refuses() -> None:
     assert admission_refusal([full, free], 16, max_queue=8) is None
     assert "KV pages" in (admission_refusal([full, full], 16, max_queue=8) or "")
     assert admission_refusal([], 16, max_queue=8) is None  # no worker: the dispatcher's 503
+
+
+def test_a_report_carries_the_prompt_tokens_queued_for_prefill() -> None:
+    assert _load(waiting_prompt_tokens=4096).waiting_prompt_tokens == 4096
+    assert _load().waiting_prompt_tokens == 0  # an older worker that does not say
+    with pytest.raises(ValueError, match="waiting_prompt_tokens"):
+        WorkerLoad.from_json({"waiting_prompt_tokens": -1})
+
+
+def test_an_idle_prefill_takes_any_prompt_and_a_busy_one_up_to_its_backlog_limit() -> None:
+    assert backlog_refusal(0, 10**6, max_backlog=1000) is None
+    assert backlog_refusal(600, 400, max_backlog=1000) is None
+    assert "600 prompt tokens queued" in (backlog_refusal(600, 401, max_backlog=1000) or "")
+
+
+def test_a_strict_check_refuses_what_could_never_fit() -> None:
+    # An upper bound on a prompt's size that overflows the cache says nothing for sure.
+    load = _load(free_pages=3, total_pages=10)
+    assert refusal(load, 16 * 11, max_queue=8) is None
+    assert refusal(load, 16 * 11, max_queue=8, is_strict=True) is not None
+    assert admission_refusal([load], 16 * 11, 8, is_strict=True) is not None

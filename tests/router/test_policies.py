@@ -82,3 +82,21 @@ def test_make_policy_by_name():
     assert isinstance(make_policy("power_of_two", rng), PowerOfTwoPolicy)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("least_bananas", rng)
+
+
+def test_auto_is_prefix_affine_once_there_are_several_prefills_and_round_robin_before():
+    ws = workers(0, 0)
+    num_prefills = [1]
+    policy = make_policy("auto", random.Random(0), num_prefills=lambda: num_prefills[0])
+    assert policy.name == "auto"
+    # One prefill: round robin, whatever the prompt.
+    assert [policy.choose(ws, "same prompt " * 20).url for _ in range(4)] == [w.url for w in ws] * 2
+    num_prefills[0] = 2  # a second prefill: the prompt's prefix decides (cache_aware)
+    first = policy.choose(ws, "a shared prefix " * 20)
+    assert all(policy.choose(ws, "a shared prefix " * 20) is first for _ in range(4))
+
+
+def test_the_router_default_is_auto():
+    from pdserve.router.config import RouterConfig  # noqa: PLC0415
+
+    assert RouterConfig().policy == "auto"

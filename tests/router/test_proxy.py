@@ -96,6 +96,34 @@ async def test_without_a_healthy_prefill_a_decode_prefills_the_request_itself(
     assert router.stats.num_decode_fallbacks == 1
 
 
+async def test_a_request_every_prefill_failed_is_retried_on_a_decode_alone(
+    make_worker, make_router
+):
+    # A prefill killed a moment ago still looks healthy until the next probe.
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    prefill.fail_status = 503
+    router = await make_router(prefill_urls=(prefill.url,), decode_urls=(decode.url,))
+    status, raw = await post(router, {**CHAT, "stream": False}, rid="fb-1")
+    assert status == 200, raw
+    assert prefill.rids() == ["fb-1"] and decode.rids() == ["fb-1", "fb-1.1"]
+    assert "kv_transfer_params" not in decode.requests[-1].body
+    assert router.stats.num_decode_fallbacks == 1
+
+
+async def test_enforce_disagg_retries_a_failed_prefill_rather_than_the_decode_alone(
+    make_worker, make_router
+):
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    prefill.fail_status = 503
+    router = await make_router(
+        prefill_urls=(prefill.url,), decode_urls=(decode.url,), enforce_disagg=True
+    )
+    assert (await post(router, CHAT, rid="fb-2"))[0] == 503
+    assert len(prefill.requests) == router.config.max_attempts
+    assert all("kv_transfer_params" in r.body for r in decode.requests)
+    assert router.stats.num_decode_fallbacks == 0
+
+
 async def test_enforce_disagg_answers_503_without_a_healthy_prefill(make_worker, make_router):
     prefill, decode = await make_worker("prefill"), await make_worker("decode")
     prefill.is_ready = False

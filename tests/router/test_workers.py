@@ -1,4 +1,5 @@
-"""Worker registry and health checks: validation, taking workers out and back, restarts."""
+"""Worker registry (router/workers.py) and health checks (router/health.py): validation, taking
+workers out and back, restarts."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ import aiohttp
 import pytest
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.health import ProbeResult, apply_probe
 from pdserve.router.workers import (
     HEALTHY,
     UNHEALTHY,
     UNKNOWN,
-    ProbeResult,
     ServerInfoMsg,
     WorkerManager,
-    apply_probe,
 )
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -51,9 +51,11 @@ def test_layout_of_a_pool_reads_its_page_shape_and_dtype() -> None:
     assert (layout.page_size, layout.page_bytes) == (16, 2 * 2 * 16 * 2 * 16 * 2)
 
 
-def test_the_layout_fingerprint_routers_compare_ignores_only_the_served_name() -> None:
+def test_the_layout_fingerprint_routers_compare_ignores_the_served_name_and_weights() -> None:
     base = layout_fingerprint(layout_of(pool(), "m", "f"))
     assert layout_fingerprint(layout_of(pool(), "renamed", "f")) == base
+    # Routers compare the weights fingerprint as a field of its own (named when it differs).
+    assert layout_fingerprint(layout_of(pool(), "m", "f", weights="w2")) == base
     assert len(base) == 16
     others = [
         layout_of(pool(dtype=torch.float16), "m", "f"),
@@ -74,6 +76,8 @@ CASES = [
     ("page_size", dict(pool_kw={"page_size": 8, "head_dim": 32})),
     ("model", dict(cfg={"model_name": "other-model"})),
     ("fingerprint", dict(cfg={"model_fingerprint": "feedbeef00000000"})),
+    # One architecture, other weights (a fine-tune): its KV means nothing to the other.
+    ("weights", dict(cfg={"weights_fingerprint": "0ther0000000weig"})),
 ]
 
 

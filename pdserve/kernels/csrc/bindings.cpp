@@ -11,7 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("pack", &pdserve::pack, no_gil);
   m.def("linear", &pdserve::linear, no_gil);
-  m.def("paged_decode_attention", &pdserve::paged_decode_attention, no_gil);
+  m.def("paged_attention", &pdserve::paged_attention, no_gil);
   m.def("rope_", &pdserve::rope_, no_gil);
   m.def("silu_mul", &pdserve::silu_mul, no_gil);
   m.def("rms_norm", &pdserve::rms_norm, no_gil);

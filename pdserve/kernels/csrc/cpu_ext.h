@@ -96,16 +96,18 @@ inline __m256 exp8(__m256 x) {
 
 // ----- entry points (bound in bindings.cpp) -------------------------------------------------
 
-// bf16_gemm.cpp: (N, K) bf16 -> packed panels; (M, K) rows times a packed weight.
+// dense_gemm.cpp: (N, K) bf16 or float32 -> packed panels; (M, K) rows times a packed weight.
 at::Tensor pack(const at::Tensor& w);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                   const std::optional<at::Tensor>& bias, c10::ScalarType out_dtype);
 
-// paged_attention.cpp: one query token per sequence against its pages of one layer's pool.
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_pool,
-                                  const at::Tensor& block_table, const at::Tensor& context_lens,
-                                  double scale, int64_t sliding_window,
-                                  const std::optional<at::Tensor>& new_kv);
+// paged_attention.cpp: query rows (decode tokens or prompt chunks) against their sequences'
+// pages of one layer's pool.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_pool,
+                           const at::Tensor& block_table,
+                           const std::optional<at::Tensor>& seq_of_row,
+                           const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                           const std::optional<at::Tensor>& new_kv);
 
 // elementwise.cpp: rotary embedding of (T, heads, D) rows in place; SiLU(gate) * up.
 void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

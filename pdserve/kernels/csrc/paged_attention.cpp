@@ -1,14 +1,20 @@
-// Decode attention straight from the paged KV pool: one query token per sequence.
+// Attention straight from the paged KV pool, one query row at a time: decode steps, prompt
+// chunks and whole prompts all run this one code path.
 //
-// Optionally each sequence's new K/V is first stored into its slot (position len - 1), which
-// saves the step a separate indexed write per layer.
-// Work items are (sequence, KV head) pairs. Each item loads every visible key and value of its
+// Each query row belongs to a sequence (`seq_of_row`, or row b = sequence b) and sees that
+// sequence's keys [start, len) where len = `lens[row]` (its position + 1) and start is 0 or the
+// sliding window's first key. Optionally every row's new K/V is first stored into its slot
+// (position len - 1), converted to the pool's dtype (bf16: round to nearest even), before any
+// row attends, so the rows of a prompt chunk see each other's keys exactly as they are stored.
+// Work items are (row, KV head) pairs. Each item loads every visible key and value of its
 // KV head once and uses it for all the query heads that share it (grouped-query attention):
 //   1. scores s[g, j] = (q_g * scale) . k_j in float32, for the item's query heads g;
 //   2. a safe softmax per head: subtract the row max, exponentiate 8 lanes at a time (exp8);
 //   3. out_g = sum_j p[g, j] v_j / sum_j p[g, j], accumulated in float32 registers.
-// An item's arithmetic depends only on its own sequence, never on its batch mates or on how
-// items are split between threads, so results are batch- and thread-count invariant.
+// An item's arithmetic depends only on its own query, position and the stored keys, never on
+// its batch mates, on how the prompt was chunked, on whether its prefix came from the prefix
+// cache or a transfer, or on how items are split between threads: a token's attention output
+// has the same bits in a whole prompt, a chunk, a decode step and a mixed step.
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -36,20 +42,24 @@ inline void prefetch_row(const T* row, int64_t D) {
     _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-template <typename T>
+// TQ: the queries', new K/V's and output's element type; T: the pool's.
+template <typename TQ, typename T>
 struct Problem {
-  const T* q;
+  const TQ* q;
   int64_t q_stride_seq, q_stride_head;
   const T* pool;  // layer view (num_pages, 2, page_size, Hkv, D)
   int64_t p_page, p_kv, p_token, p_head;
   const int64_t* table;
   int64_t table_stride;
-  const int64_t* lens;
-  T* out;  // (B, H, D) contiguous
-  const T* new_kv;  // (B, 2, Hkv, D) or nullptr
+  const int64_t* seq_of_row;  // (rows,) or nullptr: row b is sequence b
+  const int64_t* lens;  // (rows,): keys visible to each row, its own included
+  TQ* out;  // (rows, H, D) contiguous
+  const TQ* new_kv;  // (rows, 2, Hkv, D) or nullptr
   int64_t n_seq, n_kv, n_head;
   int64_t num_heads, num_kv_heads, head_dim, page_size, window;
   float scale;
+
+  int64_t seq(int64_t row) const { return seq_of_row != nullptr ? seq_of_row[row] : row; }
 };
 
 // Sum each of NG accumulators into out[0..NG).
@@ -103,9 +113,9 @@ inline float softmax_numerators(float* s, int64_t padded) {
 }
 
 // out_g = sum_j p[g * stride + j] v_j * inv_sum[g], 16 dimensions at a time in registers.
-template <int NG, typename T>
+template <int NG, typename T, typename TO>
 void pv(const float* p, int64_t stride, const T* values, const int64_t* rows, int64_t n,
-        int64_t D, const float* inv_sum, T* out) {
+        int64_t D, const float* inv_sum, TO* out) {
   for (int64_t c = 0; c < D; c += 16) {
     __m256 lo[NG], hi[NG];
     for (int g = 0; g < NG; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
@@ -127,14 +137,14 @@ void pv(const float* p, int64_t stride, const T* values, const int64_t* rows, in
   }
 }
 
-// Query heads [h0, h0 + NG) of sequence b, all of KV head kvh.
-template <int NG, typename T>
-void head_group(const Problem<T>& P, int64_t b, int64_t h0, int64_t kvh, const int64_t* rows,
+// Query heads [h0, h0 + NG) of query row b, all of KV head kvh.
+template <int NG, typename TQ, typename T>
+void head_group(const Problem<TQ, T>& P, int64_t b, int64_t h0, int64_t kvh, const int64_t* rows,
                 int64_t n, std::vector<float>& scores) {
   const int64_t D = P.head_dim, padded = (n + 7) / 8 * 8;
   alignas(32) float qf[kMaxGroup * kMaxHeadDim];
   for (int g = 0; g < NG; ++g) {
-    const T* q = P.q + b * P.q_stride_seq + (h0 + g) * P.q_stride_head;
+    const TQ* q = P.q + b * P.q_stride_seq + (h0 + g) * P.q_stride_head;
     for (int64_t c = 0; c < D; c += 8)
       _mm256_storeu_ps(qf + g * D + c, _mm256_mul_ps(load8(q + c), _mm256_set1_ps(P.scale)));
   }
@@ -148,24 +158,30 @@ void head_group(const Problem<T>& P, int64_t b, int64_t h0, int64_t kvh, const i
          P.out + (b * P.num_heads + h0) * D);
 }
 
-template <typename T>
-void item(const Problem<T>& P, int64_t b, int64_t kvh, std::vector<int64_t>& rows,
+// Row `row`'s new K/V (head kvh) into its slot, converted to the pool's element type.
+template <typename TQ, typename T>
+void store_new_kv(const Problem<TQ, T>& P, int64_t row, int64_t kvh) {
+  const int64_t pos = P.lens[row] - 1;
+  T* slot = const_cast<T*>(P.pool) +
+            P.table[P.seq(row) * P.table_stride + pos / P.page_size] * P.p_page +
+            (pos % P.page_size) * P.p_token + kvh * P.p_head;
+  const TQ* src = P.new_kv + row * P.n_seq + kvh * P.n_head;
+  for (int64_t c = 0; c < P.head_dim; c += 8) {
+    store8(slot + c, load8(src + c));
+    store8(slot + P.p_kv + c, load8(src + P.n_kv + c));
+  }
+}
+
+template <typename TQ, typename T>
+void item(const Problem<TQ, T>& P, int64_t b, int64_t kvh, std::vector<int64_t>& rows,
           std::vector<float>& scores) {
   const int64_t len = P.lens[b];
   const int64_t start = P.window > 0 ? std::max<int64_t>(0, len - P.window) : 0;
   const int64_t n = len - start;
-  if (P.new_kv != nullptr) {  // this item's head of the new token, K then V, into its slot
-    const int64_t pos = len - 1;
-    T* slot = const_cast<T*>(P.pool) + P.table[b * P.table_stride + pos / P.page_size] * P.p_page +
-              (pos % P.page_size) * P.p_token + kvh * P.p_head;
-    const T* src = P.new_kv + b * P.n_seq + kvh * P.n_head;
-    std::memcpy(slot, src, P.head_dim * sizeof(T));
-    std::memcpy(slot + P.p_kv, src + P.n_kv, P.head_dim * sizeof(T));
-  }
   rows.resize(n);
   // Element offset of key j's K row (V is p_kv further), walking pages and slots without a
   // division per key (two integer divisions per key were ~40% of a "small" item's time).
-  const int64_t* pages = P.table + b * P.table_stride;
+  const int64_t* pages = P.table + P.seq(b) * P.table_stride;
   int64_t page = start / P.page_size, slot = start % P.page_size;
   for (int64_t j = 0; j < n; ++j) {
     rows[j] = pages[page] * P.p_page + slot * P.p_token;
@@ -180,46 +196,55 @@ void item(const Problem<T>& P, int64_t b, int64_t kvh, std::vector<int64_t>& row
   }
 }
 
-template <typename T>
-void run(const Problem<T>& P, int64_t num_seqs) {
+template <typename TQ, typename T>
+void run(const Problem<TQ, T>& P, int64_t num_rows) {
   int64_t num_keys = 0;
-  for (int64_t b = 0; b < num_seqs; ++b) num_keys += P.lens[b];
-  const int64_t items = num_seqs * P.num_kv_heads;
+  for (int64_t b = 0; b < num_rows; ++b) num_keys += P.lens[b];
+  const int64_t items = num_rows * P.num_kv_heads;
   const int64_t macs = 2 * num_keys * P.num_heads * P.head_dim;
-  at::parallel_for(0, items, macs < kMinParallelMacs ? items : 1, [&](int64_t i0, int64_t i1) {
+  const int64_t grain = macs < kMinParallelMacs ? items : 1;
+  if (P.new_kv != nullptr) {  // every row's keys are in place before any row reads them
+    at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) store_new_kv(P, i / P.num_kv_heads, i % P.num_kv_heads);
+    });
+  }
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<int64_t> rows;
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) item(P, i / P.num_kv_heads, i % P.num_kv_heads, rows, scores);
   });
 }
 
-// Every sequence has 1..pages*page_size tokens on pages that exist (a bad table would read
-// outside the pool).
-void check_tables(const at::Tensor& table, const at::Tensor& lens, int64_t num_pages,
-                  int64_t page_size) {
+// Every row sees 1..pages*page_size tokens of a sequence of the table, on pages that exist (a
+// bad table would read outside the pool).
+void check_tables(const at::Tensor& table, const int64_t* seq_of_row, const at::Tensor& lens,
+                  int64_t num_pages, int64_t page_size) {
   const int64_t* t = table.data_ptr<int64_t>();
   const int64_t* l = lens.data_ptr<int64_t>();
   const int64_t max_pages = table.size(1), stride = table.stride(0);
-  for (int64_t b = 0; b < table.size(0); ++b) {
-    TORCH_CHECK(l[b] >= 1 && l[b] <= max_pages * page_size, "context length ", l[b],
+  for (int64_t r = 0; r < lens.size(0); ++r) {
+    const int64_t b = seq_of_row != nullptr ? seq_of_row[r] : r;
+    TORCH_CHECK(b >= 0 && b < table.size(0), "row ", r, " names sequence ", b,
+                " outside the block table");
+    TORCH_CHECK(l[r] >= 1 && l[r] <= max_pages * page_size, "context length ", l[r],
                 " out of range for ", max_pages, " pages of ", page_size);
-    for (int64_t p = 0; p < (l[b] + page_size - 1) / page_size; ++p)
+    for (int64_t p = 0; p < (l[r] + page_size - 1) / page_size; ++p)
       TORCH_CHECK(t[b * stride + p] >= 0 && t[b * stride + p] < num_pages, "page id ",
                   t[b * stride + p], " outside the pool");
   }
 }
 
-template <typename T>
-Problem<T> problem(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
-                   const at::Tensor& lens, at::Tensor& out, double scale, int64_t window,
-                   const std::optional<at::Tensor>& new_kv) {
+template <typename TQ, typename T>
+Problem<TQ, T> problem(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
+                       const int64_t* seq_of_row, const at::Tensor& lens, at::Tensor& out,
+                       double scale, int64_t window, const std::optional<at::Tensor>& new_kv) {
   const bool has_new = new_kv.has_value();
-  return Problem<T>{
-      reinterpret_cast<const T*>(q.data_ptr()), q.stride(0), q.stride(1),
+  return Problem<TQ, T>{
+      reinterpret_cast<const TQ*>(q.data_ptr()), q.stride(0), q.stride(1),
       reinterpret_cast<const T*>(pool.data_ptr()), pool.stride(0), pool.stride(1),
-      pool.stride(2), pool.stride(3), table.data_ptr<int64_t>(), table.stride(0),
-      lens.data_ptr<int64_t>(), reinterpret_cast<T*>(out.data_ptr()),
-      has_new ? reinterpret_cast<const T*>(new_kv->data_ptr()) : nullptr,
+      pool.stride(2), pool.stride(3), table.data_ptr<int64_t>(), table.stride(0), seq_of_row,
+      lens.data_ptr<int64_t>(), reinterpret_cast<TQ*>(out.data_ptr()),
+      has_new ? reinterpret_cast<const TQ*>(new_kv->data_ptr()) : nullptr,
       has_new ? new_kv->stride(0) : 0, has_new ? new_kv->stride(1) : 0,
       has_new ? new_kv->stride(2) : 0, q.size(1), pool.size(3), q.size(2), pool.size(2), window,
       static_cast<float>(scale)};
@@ -229,41 +254,67 @@ void check_new_kv(const at::Tensor& new_kv, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(new_kv.dim() == 4 && new_kv.size(0) == q.size(0) && new_kv.size(1) == 2 &&
                   new_kv.size(2) == pool.size(3) && new_kv.size(3) == q.size(2) &&
                   new_kv.stride(3) == 1 && new_kv.scalar_type() == q.scalar_type(),
-              "new_kv must be (B, 2, Hkv, D) of q's dtype, D contiguous");
+              "new_kv must be (rows, 2, Hkv, D) of q's dtype, D contiguous");
+}
+
+template <typename TQ>
+void run_for_pool(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
+                  const int64_t* seq_of_row, const at::Tensor& lens, at::Tensor& out,
+                  double scale, int64_t window, const std::optional<at::Tensor>& new_kv) {
+  if (pool.scalar_type() == at::kFloat) {
+    run(problem<TQ, float>(q, pool, table, seq_of_row, lens, out, scale, window, new_kv),
+        q.size(0));
+  } else {
+    run(problem<TQ, uint16_t>(q, pool, table, seq_of_row, lens, out, scale, window, new_kv),
+        q.size(0));
+  }
 }
 
 }  // namespace
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_pool,
-                                  const at::Tensor& block_table, const at::Tensor& context_lens,
-                                  double scale, int64_t sliding_window,
-                                  const std::optional<at::Tensor>& new_kv) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_pool,
+                           const at::Tensor& block_table,
+                           const std::optional<at::Tensor>& seq_of_row,
+                           const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                           const std::optional<at::Tensor>& new_kv) {
   TORCH_CHECK(q.dim() == 3 && layer_pool.dim() == 5 && layer_pool.size(1) == 2,
-              "q (B, H, D) and a layer pool (num_pages, 2, page_size, Hkv, D) expected");
-  TORCH_CHECK(q.scalar_type() == layer_pool.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "q and the pool must both be float32 or both bf16");
+              "q (rows, H, D) and a layer pool (num_pages, 2, page_size, Hkv, D) expected");
+  const auto is_kernel_dtype = [](c10::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16;
+  };
+  TORCH_CHECK(is_kernel_dtype(q.scalar_type()) && is_kernel_dtype(layer_pool.scalar_type()),
+              "q and the pool must each be float32 or bf16");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || layer_pool.scalar_type() == at::kBFloat16,
+              "bf16 queries need a bf16 pool");
   const int64_t D = q.size(2), num_heads = q.size(1), num_kv_heads = layer_pool.size(3);
   TORCH_CHECK(layer_pool.size(4) == D && D % 16 == 0 && D <= kMaxHeadDim,
               "head_dim must match and be a multiple of 16 up to ", kMaxHeadDim);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.stride(2) == 1 && layer_pool.stride(4) == 1, "head_dim must be contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
-                  block_table.stride(1) == 1 && block_table.size(0) == q.size(0),
+                  block_table.stride(1) == 1,
               "block_table must be (B, max_pages) int64 with contiguous rows");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 &&
                   context_lens.is_contiguous() && context_lens.size(0) == q.size(0),
-              "context_lens must be contiguous (B,) int64");
-  check_tables(block_table, context_lens, layer_pool.size(0), layer_pool.size(2));
+              "context_lens must be contiguous (rows,) int64");
+  const int64_t* rows_seq = nullptr;
+  if (seq_of_row.has_value()) {
+    TORCH_CHECK(seq_of_row->scalar_type() == at::kLong && seq_of_row->is_contiguous() &&
+                    seq_of_row->dim() == 1 && seq_of_row->size(0) == q.size(0),
+                "seq_of_row must be contiguous (rows,) int64");
+    rows_seq = seq_of_row->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(block_table.size(0) == q.size(0), "one block-table row per query row");
+  }
+  check_tables(block_table, rows_seq, context_lens, layer_pool.size(0), layer_pool.size(2));
   if (new_kv.has_value()) check_new_kv(*new_kv, q, layer_pool);
   auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.scalar_type() == at::kFloat) {
-    run(problem<float>(q, layer_pool, block_table, context_lens, out, scale, sliding_window,
-                       new_kv),
-        q.size(0));
+    run_for_pool<float>(q, layer_pool, block_table, rows_seq, context_lens, out, scale,
+                        sliding_window, new_kv);
   } else {
-    run(problem<uint16_t>(q, layer_pool, block_table, context_lens, out, scale, sliding_window,
-                          new_kv),
+    run(problem<uint16_t, uint16_t>(q, layer_pool, block_table, rows_seq, context_lens, out,
+                                    scale, sliding_window, new_kv),
         q.size(0));
   }
   return out;

@@ -24,10 +24,12 @@ MIN_BLOCK_H = 16  # tl.dot needs 16 rows: small GQA groups are padded with maske
 MAX_SPLITS = 16
 
 
-def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per context: enough (sequence, KV head, split) programs for about two waves over
-    ``num_sms`` multiprocessors, a power of two in [1, MAX_SPLITS]."""
-    wanted = -(-2 * num_sms // (num_seqs * num_kv_heads))
+def num_splits_for(num_kv_heads: int, num_sms: int) -> int:
+    """Splits per context, fixed for a model on a device: enough (KV head, split) programs of
+    one sequence for about two waves over ``num_sms`` multiprocessors, a power of two in
+    [1, MAX_SPLITS]. Never from the batch size: a context's split boundaries (and so the order
+    its keys are summed in) must not depend on its batch mates."""
+    wanted = -(-2 * num_sms // num_kv_heads)
     return min(MAX_SPLITS, triton.next_power_of_2(max(1, wanted)))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.paged_decode import reference_paged_decode_attention
+from pdserve.kernels.paged_attention import reference_paged_decode_attention
 from tests.kernels.triton.helpers import readable, scattered_pool
 
 triton_decode = pytest.importorskip("pdserve.kernels.triton.decode")
@@ -89,12 +89,12 @@ def test_decode_reads_the_table_width_from_the_device(device: str) -> None:
     torch.testing.assert_close(out_wide, out_tight, atol=0, rtol=0)
 
 
-def test_num_splits_fill_the_device_and_stay_powers_of_two() -> None:
-    assert triton_decode.num_splits_for(1, 8, 132) == 16  # capped
-    assert triton_decode.num_splits_for(64, 8, 132) == 1
-    assert triton_decode.num_splits_for(8, 8, 132) == 8  # 264 programs wanted: 8 * 8 * 4.1
-    for n in (1, 3, 7, 33):
-        splits = triton_decode.num_splits_for(n, 2, 132)
+def test_num_splits_fill_the_device_for_one_sequence_and_stay_powers_of_two() -> None:
+    assert triton_decode.num_splits_for(8, 132) == 16  # capped: 33 wanted
+    assert triton_decode.num_splits_for(32, 132) == 16  # 9 wanted
+    assert triton_decode.num_splits_for(64, 16) == 1
+    for num_kv_heads in (1, 3, 7, 33):
+        splits = triton_decode.num_splits_for(num_kv_heads, 132)
         assert splits & (splits - 1) == 0
 
 

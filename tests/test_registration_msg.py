@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.registration import DeregistrationMsg, RegistrationMsg
+from pdserve.registration_msg import DeregistrationMsg, RegistrationMsg
 
 GOOD = {
     "url": "http://10.0.0.5:30001/",

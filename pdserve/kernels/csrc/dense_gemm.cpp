@@ -1,13 +1,19 @@
-// bf16-weight matrix products for few rows on AVX2 CPUs (decode steps).
+// Dense-weight (bf16 or float32) matrix products on AVX2 CPUs, for every row count.
+//
+// One kernel serves a decode step's few rows and a prefill's thousands, because a row's result
+// must not depend on how many rows share the call (pdserve's batch invariance): every output
+// element is sum_k w[n, k] * x[m, k] accumulated with one FMA per k, k ascending, in its own
+// float32 register lane, whatever the row count, row grouping, blocking or thread count.
 //
 // torch's bf16 matmul on CPUs without native bf16 instructions converts and re-reads weights
-// per row; here each weight is read from memory once per call for all rows, converted to float32
-// in registers, and accumulated in float32. Weights are packed once into panels of 16 output
-// columns, (ceil(N/16), K, 16), so the inner loop reads memory strictly sequentially and
-// broadcasts one input value per FMA pair. Within a panel row the 16 columns are interleaved
-// (0, 8, 1, 9, ..., 7, 15): one 32-byte load holds column i in the low and column i + 8 in the
-// high half of 32-bit lane i, so a shift and a mask widen both halves (no cross-lane shuffles).
-// Threads take chunks of panels as they go (torch's own OpenMP pool; see run()).
+// per row; here each weight is read from memory once per call (per row block) for all rows,
+// converted to float32 in registers, and accumulated in float32. Weights are packed once into
+// panels of 16 output columns, (ceil(N/16), K, 16), so the inner loop reads memory strictly
+// sequentially and broadcasts one input value per FMA pair. For bf16, within a panel row the 16
+// columns are interleaved (0, 8, 1, 9, ..., 7, 15): one 32-byte load holds column i in the low
+// and column i + 8 in the high half of 32-bit lane i, so a shift and a mask widen both halves
+// (no cross-lane shuffles); float32 panels keep the plain column order. Threads take chunks of
+// panels as they go (torch's own OpenMP pool; see run()).
 //
 // Rows go in balanced groups of at most 6 (one pass over a panel per group). What keeps the
 // FMAs fed when weights stream from DRAM (measured on the 2-core Zen 4 VM, one thread, 6 rows:
@@ -63,26 +69,39 @@ inline void finish(__m256 lo, __m256 hi, const float* bias16, Out* y, int64_t n)
 
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its reads a pass prefetches
 
+// One packed panel row (16 output columns at one k) widened to float32: columns 0-7 in w0,
+// 8-15 in w1.
+inline void load_panel_row(const uint16_t* wk, __m256& w0, __m256& w1) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(wv, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void load_panel_row(const float* wk, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(wk);
+  w1 = _mm256_loadu_ps(wk + 8);
+}
+
 // MR (1..6) rows times one packed panel: each converted weight vector feeds MR FMAs. Every row
 // sums over k in the same order whatever MR is, so a row's result never depends on its batch.
 // `x`: the group's inputs, (K, MR). Accumulators are named variables, not an array: GCC spills
 // arrays of vectors to the stack.
-template <int MR, typename Out>
-inline void panel_rows(const float* x, const uint16_t* w, int64_t K, const float* bias16,
+template <int MR, typename W, typename Out>
+inline void panel_rows(const float* x, const W* w, int64_t K, const float* bias16,
                        Out* y, int64_t ldy, int64_t n) {
   static_assert(MR >= 1 && MR <= 6);
+  // k steps per 64-byte line of the panel: prefetch once per line.
+  constexpr int64_t kStepsPerLine = 64 / (kPanel * sizeof(W));
   const __m256 z = _mm256_setzero_ps();
-  const __m256i high_halves = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z;
   __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
   for (int64_t k = 0; k < K; ++k) {
-    const uint16_t* wk = w + k * kPanel;
-    // One 64-byte line holds two k; prefetching past the panel's end reaches the next panel
-    // (contiguous) or nothing (a prefetch never faults).
-    if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
-    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
-    const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(wv, high_halves));
+    const W* wk = w + k * kPanel;
+    // Prefetching past the panel's end reaches the next panel (contiguous) or nothing (a
+    // prefetch never faults).
+    if (k % kStepsPerLine == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 w0, w1;
+    load_panel_row(wk, w0, w1);
 #define PD_ROW(i)                                                 \
     if constexpr (MR > i) {                                       \
       const __m256 xv = _mm256_broadcast_ss(x + k * MR + i);      \
@@ -162,10 +181,14 @@ std::vector<RowGroup> row_groups(const at::Tensor& x, std::vector<float>& buf) {
 // chunks per thread keeps the counter cheap and the leftover imbalance small.
 constexpr int64_t kChunksPerThread = 8;
 constexpr int64_t kMinPanelsPerThread = 4;
+// Rows are processed in blocks of at most this many groups (of <= 6 rows): a block's inputs
+// (16 groups x 6 rows x K floats: 576 KiB at K = 1536) stay in L2 while every panel of the
+// weight streams past them once. Blocking changes which rows share a pass, never a row's sums.
+constexpr size_t kGroupsPerBlock = 16;
 
-template <typename Out>
-void run(const std::vector<RowGroup>& groups, int64_t K, const uint16_t* wp, int64_t N,
-         const float* bias, Out* y) {
+template <typename W, typename Out>
+void run_block(const RowGroup* groups, size_t num_groups, int64_t K, const W* wp, int64_t N,
+               const float* bias, Out* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t threads = std::clamp<int64_t>(panels / kMinPanelsPerThread, 1,
                                               at::get_num_threads());
@@ -175,19 +198,20 @@ void run(const std::vector<RowGroup>& groups, int64_t K, const uint16_t* wp, int
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t c; (c = next_chunk.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
       for (int64_t p = c * chunk, end = std::min(panels, p + chunk); p < end; ++p) {
-        const uint16_t* w = wp + p * K * kPanel;
+        const W* w = wp + p * K * kPanel;
         const int64_t col = p * kPanel, n = std::min(kPanel, N - col);
         alignas(32) float bias16[kPanel];
         const float* b = panel_bias(bias, N, p, bias16);
-        for (const RowGroup& g : groups) {
+        for (size_t gi = 0; gi < num_groups; ++gi) {
+          const RowGroup& g = groups[gi];
           Out* yg = y + g.first * N + col;
           switch (g.rows) {
-            case 6: panel_rows<6, Out>(g.x, w, K, b, yg, N, n); break;
-            case 5: panel_rows<5, Out>(g.x, w, K, b, yg, N, n); break;
-            case 4: panel_rows<4, Out>(g.x, w, K, b, yg, N, n); break;
-            case 3: panel_rows<3, Out>(g.x, w, K, b, yg, N, n); break;
-            case 2: panel_rows<2, Out>(g.x, w, K, b, yg, N, n); break;
-            default: panel_rows<1, Out>(g.x, w, K, b, yg, N, n); break;
+            case 6: panel_rows<6, W, Out>(g.x, w, K, b, yg, N, n); break;
+            case 5: panel_rows<5, W, Out>(g.x, w, K, b, yg, N, n); break;
+            case 4: panel_rows<4, W, Out>(g.x, w, K, b, yg, N, n); break;
+            case 3: panel_rows<3, W, Out>(g.x, w, K, b, yg, N, n); break;
+            case 2: panel_rows<2, W, Out>(g.x, w, K, b, yg, N, n); break;
+            default: panel_rows<1, W, Out>(g.x, w, K, b, yg, N, n); break;
           }
         }
       }
@@ -195,12 +219,19 @@ void run(const std::vector<RowGroup>& groups, int64_t K, const uint16_t* wp, int
   });
 }
 
-// An uninitialised bf16 tensor in memory of its own, 2 MiB aligned and advised to be backed by
+template <typename W, typename Out>
+void run(const std::vector<RowGroup>& groups, int64_t K, const W* wp, int64_t N,
+         const float* bias, Out* y) {
+  for (size_t g = 0; g < groups.size(); g += kGroupsPerBlock)
+    run_block(groups.data() + g, std::min(kGroupsPerBlock, groups.size() - g), K, wp, N, bias, y);
+}
+
+// An uninitialised tensor in memory of its own, 2 MiB aligned and advised to be backed by
 // transparent huge pages (a hint: the kernel falls back to 4 KiB pages). Plain torch memory
 // when mmap fails.
 at::Tensor empty_in_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options) {
   constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes = c10::multiply_integers(sizes) * sizeof(uint16_t);
+  const size_t bytes = c10::multiply_integers(sizes) * options.dtype().itemsize();
   const size_t kept = (bytes + kHuge - 1) / kHuge * kHuge, mapped = kept + kHuge;
   void* raw = bytes == 0 ? MAP_FAILED
                          : mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
@@ -218,23 +249,42 @@ at::Tensor empty_in_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& o
 }  // namespace
 
 // (N, K) bf16 -> (ceil(N/16), K, 16) bf16, zero-padded columns, each row of 16 interleaved as
-// (0, 8, 1, 9, ..., 7, 15).
+// (0, 8, 1, 9, ..., 7, 15); (N, K) float32 -> (ceil(N/16), K, 16) float32 in column order.
 at::Tensor pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.dtype() == at::kBFloat16);
+  TORCH_CHECK(w.dim() == 2 && (w.dtype() == at::kBFloat16 || w.dtype() == at::kFloat),
+              "pack: a 2-D bf16 or float32 weight");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
   auto padded = at::zeros({panels * kPanel, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  // (panel, half, i, k) -> (panel, k, i, half): slot 2i + half holds column 8 * half + i.
   auto packed = empty_in_huge_pages({panels, K, kPanel}, w.options());
+  if (w.dtype() == at::kFloat) {
+    packed.copy_(padded.view({panels, kPanel, K}).permute({0, 2, 1}));
+    return packed;
+  }
+  // (panel, half, i, k) -> (panel, k, i, half): slot 2i + half holds column 8 * half + i.
   packed.view({panels, K, kPanel / 2, 2}).copy_(
       padded.view({panels, 2, kPanel / 2, K}).permute({0, 3, 2, 1}));
   return packed;
 }
 
+namespace {
+template <typename W>
+void run_any_out(const std::vector<RowGroup>& groups, int64_t K, const W* wp, int64_t N,
+                 const float* bias, at::Tensor& y) {
+  if (y.scalar_type() == at::kFloat) {
+    run<W, float>(groups, K, wp, N, bias, y.data_ptr<float>());
+  } else {
+    TORCH_CHECK(y.scalar_type() == at::kBFloat16, "linear: float32 or bf16 output");
+    run<W, uint16_t>(groups, K, wp, N, bias, reinterpret_cast<uint16_t*>(y.data_ptr()));
+  }
+}
+}  // namespace
+
 // x (M, K) float32 or bf16; packed from pack(); bias float32 (N) or None -> (M, N) of out_dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                   const std::optional<at::Tensor>& bias, c10::ScalarType out_dtype) {
-  TORCH_CHECK(x.dim() == 2 && packed.dtype() == at::kBFloat16 && packed.is_contiguous());
+  TORCH_CHECK(x.dim() == 2 && packed.is_contiguous() &&
+              (packed.dtype() == at::kBFloat16 || packed.dtype() == at::kFloat));
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(1) == K && packed.size(0) * kPanel >= N);
   std::vector<float> buf;
@@ -243,12 +293,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   at::Tensor bf;
   if (bias.has_value()) { bf = bias->to(at::kFloat).contiguous(); bp = bf.data_ptr<float>(); }
   auto y = at::empty({M, N}, x.options().dtype(out_dtype));
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  if (out_dtype == at::kFloat) {
-    run<float>(groups, K, wp, N, bp, y.data_ptr<float>());
+  if (packed.dtype() == at::kFloat) {
+    run_any_out(groups, K, packed.data_ptr<float>(), N, bp, y);
   } else {
-    TORCH_CHECK(out_dtype == at::kBFloat16);
-    run<uint16_t>(groups, K, wp, N, bp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    run_any_out(groups, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, bp, y);
   }
   return y;
 }

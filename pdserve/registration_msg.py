@@ -1,6 +1,9 @@
 """The registration message a worker sends to routers (``POST /workers/register``) and its
 lease: a router keeps a self-registered worker only while its renewals keep coming.
 
+The contract between a worker (:mod:`pdserve.registration`) and the router (``router/``): it
+sits below both, so a worker never imports the router.
+
 Routers hold only soft state: everything a router knows of a self-registered worker arrives
 again with each renewal, so a restarted router, or a second one behind the same address,
 learns the whole fleet within one renewal interval.
@@ -10,8 +13,32 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-from pdserve.router.config import WORKER_ROLES, normalize_worker_url
+WORKER_ROLES = ("prefill", "decode", "colocated")
+
+
+def normalize_worker_url(url: str) -> str:
+    """Canonical form of a worker base URL (``http://host:port``, no trailing slash).
+
+    Raises ``ValueError`` for anything that is not a plain http(s) URL with a host and a port,
+    because the router derives the prefill bootstrap host from it.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError("worker url must be a non-empty string")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"worker url must look like http://host:port, got {url!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"worker url has an invalid port: {url!r}") from exc
+    if port is None:
+        raise ValueError(f"worker url needs an explicit port: {url!r}")
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise ValueError(f"worker url must be a base URL without path or query: {url!r}")
+    return f"{parts.scheme}://{parts.netloc}"
+
 
 MIN_TTL_S = 0.2
 MAX_TTL_S = 3600.0
@@ -22,7 +49,8 @@ _MAX_FIELD_LEN = 256
 class RegistrationMsg:
     """One worker's registration (also each renewal). ``url`` is the worker's advertised base
     URL; ``bootstrap_host``/``bootstrap_port`` the prefill's KV bootstrap address (None on
-    other roles); ``kv_layout`` is ``transport.layout.layout_fingerprint`` of its page pool."""
+    other roles); ``kv_layout`` is ``transport.layout.layout_fingerprint`` of its page pool,
+    ``weights`` ``model.fingerprint.weights_fingerprint`` of its checkpoint."""
 
     url: str
     role: str
@@ -34,6 +62,7 @@ class RegistrationMsg:
     ttl_s: float
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    weights: str = ""  # "" from a worker that does not publish it: matches any
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +98,7 @@ class RegistrationMsg:
             ttl_s=float(ttl),
             bootstrap_host=host,
             bootstrap_port=port,
+            weights=_text(raw, "weights", empty_ok=True) if "weights" in raw else "",
         )
 
 

@@ -1,0 +1,162 @@
+"""How faithfully pdserve's default numerics follow a float32 reference on a real checkpoint.
+
+Greedy tokens of a fixed prompt set (chat questions through the model's chat template, and raw
+completions), ``--num-tokens`` each with EOS ignored, from transformers in float32 (the
+reference), transformers in the checkpoint's bf16, and pdserve as served (its default dtype),
+all on the same weights and the same prompt token ids. Reported per engine: the mean number of
+leading tokens equal to the reference's, and how many whole answers are equal.
+
+Run: ``python bench/fidelity.py --model DIR [--pdserve-dtype auto] [--json out.json]``
+(``DIR``: a Hugging Face directory; a ``.gguf`` file where pdserve reads GGUF, the reference
+then dequantizes it through transformers' GGUF loader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "What is the largest planet in our solar system?",
+    "Who wrote the play Romeo and Juliet?",
+    "What is the boiling point of water at sea level in Celsius?",
+    "How many continents are there on Earth?",
+    "What gas do plants absorb from the air?",
+    "What is the chemical symbol for gold?",
+    "Which ocean is the largest?",
+    "Give me three tips for staying healthy.",
+    "Write a haiku about the sea.",
+    "Explain what a computer program is in one sentence.",
+    "What should I pack for a weekend trip to the mountains?",
+)
+COMPLETIONS = (
+    "The quick brown fox",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "def fibonacci(n):\n    ",
+    "The history of the Roman Empire begins",
+    "Water is made of two elements:",
+    "In mathematics, a prime number is",
+    "The best way to learn a new language is",
+    "Paris is the capital of",
+    "import numpy as np\n\n",
+    "The sun rises in the east and",
+    "My favourite book is",
+)
+# The factual chat questions (the first eight): their float32 answers are what a user checks.
+NUM_FACTUAL = 8
+
+
+@dataclass
+class EngineScore:
+    engine: str
+    mean_agreeing_tokens: float
+    whole_answers_equal: int
+    num_prompts: int
+    factual_first_tokens_equal: int  # factual questions whose answer starts as float32's does
+
+
+def prompt_ids(model: str, gguf_file: str | None) -> list[list[int]]:
+    """Token ids of every prompt, from transformers' tokenizer (and chat template)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model, gguf_file=gguf_file)
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in CHAT_QUESTIONS
+    ]
+    # transformers 5 returns a BatchEncoding, 4 a list of ids
+    chats = [list(c["input_ids"]) if hasattr(c, "keys") else list(c) for c in chats]
+    raw = [tok(text, add_special_tokens=False)["input_ids"] for text in COMPLETIONS]
+    return chats + raw
+
+
+def hf_greedy(
+    model: str, gguf_file: str | None, dtype: torch.dtype, prompts: list[list[int]], n: int
+) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model, gguf_file=gguf_file, dtype=dtype)
+    lm.generation_config.eos_token_id = None  # EOS ignored, as pdserve's ignore_eos
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = lm.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+            out.append(y[0, len(ids) :].tolist())
+    return out
+
+
+def pdserve_greedy(
+    model_path: str, dtype: str, prompts: list[list[int]], n: int
+) -> list[list[int]]:
+    from pdserve.llm import LLM
+    from pdserve.model_runner import ModelRunner, RunnerConfig
+    from pdserve.sampling_params import SamplingParams
+
+    runner = ModelRunner(RunnerConfig(model_path, dtype=dtype))
+    with LLM(runner) as llm:
+        results = llm.generate(
+            prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
+    return [r.token_ids for r in results]
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def score(engine: str, got: list[list[int]], ref: list[list[int]]) -> EngineScore:
+    agree = [leading_agreement(g, r) for g, r in zip(got, ref, strict=True)]
+    factual = sum(g[:1] == r[:1] for g, r in zip(got[:NUM_FACTUAL], ref[:NUM_FACTUAL], strict=True))
+    return EngineScore(
+        engine, statistics.mean(agree), sum(g == r for g, r in zip(got, ref, strict=True)),
+        len(ref), factual,
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a Hugging Face directory or a .gguf file")
+    ap.add_argument("--num-tokens", type=int, default=32)
+    ap.add_argument("--pdserve-dtype", default="auto")
+    ap.add_argument("--skip-hf-bf16", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    path = Path(args.model)
+    hf_dir, gguf = (str(path.parent), path.name) if path.suffix == ".gguf" else (str(path), None)
+    prompts = prompt_ids(hf_dir, gguf)
+    n = args.num_tokens
+    ref = hf_greedy(hf_dir, gguf, torch.float32, prompts, n)
+    scores = [score("transformers float32 (reference)", ref, ref)]
+    if not args.skip_hf_bf16:
+        scores.append(score("transformers bfloat16",
+                            hf_greedy(hf_dir, gguf, torch.bfloat16, prompts, n), ref))  # fmt: skip
+    ours = pdserve_greedy(str(path), args.pdserve_dtype, prompts, n)
+    scores.append(score(f"pdserve colocated (--dtype {args.pdserve_dtype})", ours, ref))
+    print(f"{'engine':<40} {'agreeing tokens':>16} {'equal answers':>14} {'factual 1st':>12}")
+    for s in scores:
+        print(f"{s.engine:<40} {s.mean_agreeing_tokens:>12.1f}/{n:<3} "
+              f"{s.whole_answers_equal:>9}/{s.num_prompts:<4} "
+              f"{s.factual_first_tokens_equal:>8}/{NUM_FACTUAL}")  # fmt: skip
+    if args.json:
+        report: dict[str, Any] = {"model": str(path), "num_tokens": n,
+                                  "scores": [asdict(s) for s in scores]}  # fmt: skip
+        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    main()

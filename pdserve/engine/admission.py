@@ -1,0 +1,61 @@
+"""A request as the engine admits it: its seed fixed, its size checked against the KV pool, its
+sequence and output state built. Pure construction; the engine then registers it and arms its
+deadlines."""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.engine.output import OutputState
+from pdserve.engine.protocol import EngineError, GenerateRequest, ResumeState
+from pdserve.engine.request import Request
+from pdserve.kernels.kv_cache import KVCacheConfig
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.sequence import Sequence
+
+
+def new_request(
+    request: GenerateRequest,
+    kv: KVCacheConfig,
+    num_pages: int,
+    max_model_len: int,
+    tokenizer: Tokenizer,
+) -> Request:
+    """The engine's :class:`Request` for ``request``. A sampler with no seed gets one now, so
+    that a migrated stream can continue exactly; a request that could never fit in the pool's
+    ``num_pages`` is a 400 (``context_length_exceeded``)."""
+    sp = request.sampling
+    if sp.seed is None:
+        sp.seed = random.getrandbits(62)
+    num_prompt = len(request.prompt_token_ids)
+    need = kv.pages_for(min(num_prompt + sp.max_tokens, max_model_len))
+    if need > num_pages:
+        raise EngineError(
+            f"request needs {need} KV pages, the cache holds {num_pages}",
+            400, "invalid_request_error", "context_length_exceeded",
+        )  # fmt: skip
+    seq = Sequence(request.request_id, list(request.prompt_token_ids), num_prompt, sp)
+    seq.grammar = request.grammar
+    req = Request(request.request_id, seq, request.kv_transfer, resume=request.resume)
+    req.out_state = OutputState(req.request_id, seq, tokenizer, max_model_len)
+    if request.resume is not None:
+        _resume(req, request.resume)
+    return req
+
+
+def _resume(req: Request, resume: ResumeState) -> None:
+    """A migrated stream continues after the tokens another worker streamed: they join the
+    sequence as generated tokens (penalties, ``min_tokens``, ``max_tokens`` and the seeded
+    noise's position count them), its grammar and its output state move past them (their text
+    is not sent again), and one prefill computes the KV of prompt and tokens together: by
+    batch invariance the same bits the other worker's decode steps wrote, so the continuation
+    is the one that worker would have streamed."""
+    seq = req.seq
+    for token in resume.token_ids:
+        seq.token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            raise EngineError(
+                f"resume_params.token_ids: token {token} does not fit the response format",
+                400, "invalid_request_error", "resume_params",
+            )  # fmt: skip
+        req.out_state.replay(token, resume)
