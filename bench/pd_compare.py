@@ -78,11 +78,14 @@ def shared_lease_args() -> tuple[str, ...]:
     return ("--cpu-lease", str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "lease"))
 
 
-async def serve_load(url: str, model_dir: Path, args: argparse.Namespace, conc: int) -> dict:
+async def serve_load(
+    url: str, model_dir: Path, args: argparse.Namespace, conc: int, is_closing: bool = False
+) -> dict:
     cfg = BenchConfig(
         base_url=url, model="bench", endpoint="completions", input_len=args.input_len,
         output_len=args.output_len, num_requests=max(args.num_requests, conc), concurrency=conc,
         tokenizer=str(model_dir), is_progress_shown=False, num_warmup=2,
+        is_connection_closed=is_closing,
     )  # fmt: skip
     return await run_benchmark(cfg)
 
@@ -145,7 +148,8 @@ async def bench_llamacpp(
                                       num_threads=args.llamacpp_threads)  # fmt: skip
     print(f"llama.cpp: serving {gguf} ({server.log_path})", flush=True)
     async with server:
-        return {c: await serve_load(server.url, model_dir, args, c) for c in args.conc}
+        # One connection per request (llama-server drops reused ones; see BenchConfig).
+        return {c: await serve_load(server.url, model_dir, args, c, True) for c in args.conc}
 
 
 def bench_transformers(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
