@@ -1,4 +1,4 @@
-# Two entry points: `make serve` (local PD cluster on the demo model) and `make test`.
+# Two entry points: `make serve` (local PD cluster on the default model) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +16,10 @@ $(STAMP): setup.cfg pyproject.toml $(wildcard pdserve/kernels/csrc/*.cpp pdserve
 	$(BIN)/python -m pdserve.kernels.cpu_gemm
 	touch $(STAMP)
 
+# The default model (SmolLM2-135M-Instruct, a 98 MB GGUF) is fetched once into ~/.cache/pdserve/models;
+# offline, the install still succeeds and `make serve` falls back to the demo model, saying why.
 install: $(STAMP)
+	@$(BIN)/pdserve fetch-model || echo "make install: no default model fetched (see above); make serve will serve the demo model"
 
 serve: install
 	$(BIN)/pdserve up
@@ -39,9 +42,11 @@ bench: install
 	$(BIN)/python bench/pd_compare.py
 
 # Wheels a GPU machine without network lacks (CPython 3.12, x86-64), into the ignored .whl/ that
-# travels with the tree; docs/benchmarks.md ("GPU check") has the device command that installs them.
+# travels with the tree; docs/gpu.md has the device command that installs them. With the device
+# image's packages (bench/device_image_packages.txt) they must cover setup.cfg's runtime
+# requirements: tests/test_gpu_packages.py checks that, reading the list below.
 GPU_WHEELS ?= .whl
-GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
+GPU_PLATFORMS := $(foreach p,manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
 gpu-wheels: install
-	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS) nixl-cu13==1.5.1 nixl==1.5.1 orjson==3.13.0 transitions==0.9.3 pytest-asyncio==1.5.0
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS) nixl-cu13==1.5.1 nixl==1.5.1 orjson==3.13.0 transitions==0.9.3 pytest-asyncio==1.5.0 llguidance==1.9.1
 	du -sh $(GPU_WHEELS)

@@ -41,6 +41,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_registration_args(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-body-kb", type=int, default=4096, help="larger request bodies get 413")
+    p.add_argument(
+        "--json-schema-extra-keys", action="store_true",
+        help="JSON schemas that say nothing of additionalProperties allow undeclared keys (JSON "
+        "Schema's reading); by default they do not, as in vLLM (xgrammar's strict mode)",
+    )  # fmt: skip
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")
     p.add_argument(
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "up": _up,
         "generate": _generate,
         "make-demo-model": _make_demo,
+        "fetch-model": _fetch_model,
     }
     if not argv or argv[0] not in commands:
         print(f"usage: pdserve {{{','.join(commands)}}} [--help]", file=sys.stderr)
@@ -215,6 +221,12 @@ def _make_demo(argv: list[str]) -> int:
     from pdserve.model.demo import main as demo_main
 
     return demo_main(argv)
+
+
+def _fetch_model(argv: list[str]) -> int:
+    from pdserve.model.fetch import main as fetch_main
+
+    return fetch_main(argv)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -
         # generate has no --decode-threads: it measures nothing at start-up.
         decode_threads=getattr(args, "decode_threads", None),
         prefills_prompts=role != "decode",
+        runs_decode_steps=role != "prefill",
     )
 
 
@@ -100,6 +101,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             api_key=api_key,
             max_body_bytes=args.max_body_kb << 10,
             request_deadline_s=args.timeout_request,
+            json_allow_extra_keys=args.json_schema_extra_keys,
         ),
         host=args.host,
         port=port,

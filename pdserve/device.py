@@ -56,6 +56,21 @@ def check_gpu_memory_utilization(value: float, source: str = "gpu_memory_utiliza
     return value
 
 
+def bind_device(device: str | torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing to do elsewhere).
+
+    CUDA's current device is per host thread, and Triton launches, graph capture and streams
+    or events made without a device all use it: a worker on ``cuda:1`` whose step thread
+    never set it would run them on device 0. Cheap enough to call at every step.
+    """
+    import torch
+
+    device = torch.device(device)
+    is_indexed_cuda = device.type == "cuda" and device.index is not None
+    if is_indexed_cuda and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+
+
 def is_cpu(device: str | torch.device) -> bool:
     import torch
 

@@ -12,16 +12,26 @@ second worker on the same GPU that starts after the first sees the first one's m
 used). Peak activations come from a warm-up forward of ``max_prefill_tokens`` tokens (and a
 sampling pass at ``max_num_seqs`` rows) measured with ``torch.cuda.max_memory_allocated``.
 The arithmetic is :func:`plan_kv_pages`, pure and unit-tested; the runner measures its inputs.
+
+``other`` is a device-wide difference (``cudaMemGetInfo`` cannot tell processes apart), so
+workers that share a GPU (``pdserve up --device cuda`` starts prefill and decode at once) take
+turns: each holds :func:`sizing_lock` from its first reading of free memory until its pool and
+graphs are allocated. Otherwise the worker that finished its warm-up second would count the
+first one's pool as its own overhead and get almost no pages (vLLM issue 55827).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from pdserve.file_lock import exclusive_file_lock
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
 
@@ -32,6 +42,9 @@ CPU_DEFAULT_KV_CACHE_BYTES = 512 << 20
 # bucket's activations (a few hundred MiB at batch 64-256 on 1-8B models); reserved before
 # sizing unless a measured figure or --enforce-eager says otherwise.
 DEFAULT_GRAPH_RESERVE_BYTES = 512 << 20
+# How long a worker waits for another on its GPU to finish sizing (weights load, warm-up and
+# graph capture of a large model can take minutes).
+SIZING_LOCK_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,23 @@ def device_memory(device: torch.device) -> DeviceMemory:
     """Total and free memory of a CUDA ``device`` now (call before the worker allocates)."""
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total_bytes=total, free_at_start_bytes=free)
+
+
+def sizing_lock_path(device: torch.device, lock_dir: Path | None = None) -> Path:
+    """The lock file of one physical GPU, named by its UUID: two processes may know it by
+    different indexes (CUDA_VISIBLE_DEVICES)."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    name = str(uuid) if uuid is not None else f"index-{device.index or 0}"
+    return (lock_dir or Path(tempfile.gettempdir())) / f"pdserve-kv-sizing-{name}.lock"
+
+
+@contextlib.contextmanager
+def sizing_lock(device: torch.device, timeout_s: float = SIZING_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Held by one worker of a GPU at a time while it measures memory and allocates its pool."""
+    path = sizing_lock_path(device)
+    logger.info("%s: waiting for the KV sizing lock %s", device, path)
+    with exclusive_file_lock(path, timeout_s):
+        yield
 
 
 def measure_kv_sizing(

@@ -8,6 +8,7 @@ already written into its pages.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,7 +18,7 @@ import torch
 
 from pdserve.attention.backend import AttentionConfig
 from pdserve.attention.factory import create_backend
-from pdserve.device import check_device, check_gpu_memory_utilization, is_cpu
+from pdserve.device import bind_device, check_device, check_gpu_memory_utilization, is_cpu
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
 from pdserve.kernels.prompt_logprobs import (
@@ -32,15 +33,21 @@ from pdserve.kv_sizing import (
     device_memory,
     graph_reserve,
     measure_kv_sizing,
+    sizing_lock,
     warm_up_sequences,
+)
+from pdserve.model.checkpoint import (
+    declared_dtype,
+    is_block_quantized,
+    load_model_config,
+    load_model_weights,
+    load_tokenizer,
 )
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
 from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel, activation_dtype
-from pdserve.model.loader import load_weights, stored_dtype
-from pdserve.model.tokenizer import Tokenizer
 from pdserve.runner_config import RunnerConfig
 from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
@@ -92,20 +99,26 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig) -> None:
         self.config = config
         self.device = check_device(config.device, "RunnerConfig.device")
+        bind_device(self.device)  # warm-up and graph capture run on this thread
         if config.num_threads and is_cpu(self.device):
             torch.set_num_threads(config.num_threads)
-        self.model_config = ModelConfig.from_dir(config.model_dir)
-        declared = self.model_config.checkpoint_dtype or stored_dtype(config.model_dir)
+        self.model_config = load_model_config(config.model_dir)
+        declared = declared_dtype(config.model_dir, self.model_config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, declared)
         self.act_dtype = activation_dtype(self.dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.act_dtype)
-        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        # "auto": the weights' dtype; a block-quantized GGUF's KV is bf16 (its dense float32
+        # parts are a loading choice, not the precision it was made for).
+        stored = self.dtype
+        if is_block_quantized(config.model_dir, self.model_config) and is_cpu(self.device):
+            stored = torch.bfloat16
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, stored, self.act_dtype)
+        self.tokenizer = load_tokenizer(config.model_dir)
         mc = self.model_config
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.
         memory = self._memory_to_size_from()
         self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
-        weights = load_weights(config.model_dir, mc, self.dtype, str(self.device))
+        weights = load_model_weights(config.model_dir, mc, self.dtype, str(self.device))
         self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, str(self.device))
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
@@ -120,14 +133,22 @@ class ModelRunner:
                 self.model, self.attn_backend, config.max_num_seqs, self.max_model_len
             )
             self.graph_runner.capture()
+        if memory is not None:
+            self._sizing_lock.close()  # the pool and the graphs are allocated: the next worker
         logger.info(
-            "runner ready: %s, %s on %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d, "
-            "%s attention, %s decode",
-            mc.architecture, self.dtype, self.device, self.kv_config.num_pages,
+            "runner ready: %s, %s on %s, weights %.1f MiB, %d KV pages x %d tokens (%.1f MiB), "
+            "max_model_len %d, %s attention, %s decode",
+            mc.architecture, self.dtype, self.device, self.weights_bytes / 2**20,
+            self.kv_config.num_pages,
             self.kv_config.page_size,
             self.kv_config.num_pages * self.kv_config.page_bytes / 2**20, self.max_model_len,
             self.attn_backend.name, "graph" if self.graph_runner else "eager",
         )  # fmt: skip
+
+    @property
+    def weights_bytes(self) -> int:
+        """Memory the weights occupy as they run (quantized projections at their packed size)."""
+        return self.model.num_weight_bytes
 
     def _build_pool(self) -> None:
         """The page pool of ``kv_config`` and the attention backend over it."""
@@ -147,6 +168,11 @@ class ModelRunner:
             return None
         check_gpu_memory_utilization(c.gpu_memory_utilization, "gpu_memory_utilization")
         torch.cuda.init()
+        # Until this runner's memory is in place, another worker sizing a pool on this GPU would
+        # count it as its own overhead (pdserve.kv_sizing); released at the end of __init__ (or,
+        # if that raises, when the lock's file is closed, by the process's exit at the latest).
+        self._sizing_lock = contextlib.ExitStack()
+        self._sizing_lock.enter_context(sizing_lock(self.device))
         return device_memory(self.device), torch.cuda.memory_allocated(self.device)
 
     def _size_pool_from_memory(self, memory: tuple[DeviceMemory, int]) -> None:
@@ -157,7 +183,8 @@ class ModelRunner:
         weights_bytes -= self.kv_pool.storage.numel() * self.kv_pool.storage.element_size()
         sizing = measure_kv_sizing(
             self.device, info, weights_bytes, self._warm_up_largest_step,
-            c.gpu_memory_utilization, graph_reserve(c.enforce_eager, c.graph_reserve_bytes),
+            c.gpu_memory_utilization,
+            graph_reserve(c.enforce_eager or not c.runs_decode_steps, c.graph_reserve_bytes),
             self.kv_config.page_bytes,
         )  # fmt: skip
         del self.attn_backend, self.kv_pool
@@ -181,6 +208,7 @@ class ModelRunner:
         return (
             self.device.type == "cuda"
             and not self.config.enforce_eager
+            and self.config.runs_decode_steps
             and self.attn_backend.supports_cuda_graph
         )
 
@@ -272,9 +300,11 @@ class ModelRunner:
         return t3 - t0
 
     def _use_threads(self, num_threads: int) -> None:
-        # Per phase, from the thread that runs the forward (torch's OpenMP thread count is per
-        # calling thread once set); read back each time, as other runners may share the process.
-        # On CUDA the host threads only launch kernels: leave torch's setting alone.
+        # Per phase, from the thread that runs the forward (torch's OpenMP thread count and the
+        # current CUDA device are per calling thread); read back each time, as other runners
+        # may share the process. On CUDA the host threads only launch kernels: leave torch's
+        # thread count alone.
+        bind_device(self.device)
         if is_cpu(self.device) and torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
 

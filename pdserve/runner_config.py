@@ -38,3 +38,6 @@ class RunnerConfig:
     attention_backend: str = "auto"
     # Decode without CUDA graphs (always so on CPU, and with a backend that cannot be captured).
     enforce_eager: bool = False
+    # False for a worker that never runs decode steps (the prefill role): no decode graphs are
+    # captured and no memory is held back for them.
+    runs_decode_steps: bool = True

@@ -24,6 +24,11 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many top
+    skip_special_tokens: bool = True  # detokenization: leave special tokens out of the text
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    # Prefix-cache isolation between tenants: pages are found again only by requests with the
+    # same salt (it seeds the chain of page keys). Not a sampling knob, but per request.
+    cache_salt: str | None = None
 
     @property
     def is_greedy(self) -> bool:

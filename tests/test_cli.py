@@ -195,3 +195,13 @@ def test_device_flags_reach_the_runner_config(tmp_path, monkeypatch: pytest.Monk
         "cuda:0", 0.5, True
     )  # fmt: skip
     assert (runner.num_pages, runner.kv_cache_bytes) == (300, 64 << 20)
+
+
+def test_only_the_prefill_role_runs_no_decode_steps(tmp_path) -> None:
+    """A prefill worker never decodes: it captures no decode graphs (seconds of start-up and a
+    memory reserve on a GPU)."""
+    args = generate._parse_args(["--model", str(tmp_path)])
+    roles = {r: runner_config_from_args(args, r) for r in ("prefill", "decode", "colocated")}
+    assert {r: c.runs_decode_steps for r, c in roles.items()} == {
+        "prefill": False, "decode": True, "colocated": True,
+    }  # fmt: skip

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import threading
 
 import pytest
 import torch
 
 from pdserve.device import (
     add_device_args,
+    bind_device,
     check_device,
     check_gpu_memory_utilization,
     is_cpu,
@@ -74,3 +76,37 @@ def test_cuda_and_cuda_0_are_one_device() -> None:
     assert not same_physical_device("cuda:0", "cuda:1")
     assert not same_physical_device("cpu", "cuda")
     assert same_physical_device("cpu", "cpu")
+
+
+class _ThreadDevices:
+    """CUDA's current device, per host thread, as the runtime keeps it (device 0 by default)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._local = threading.local()
+        self.set_calls: list[int] = []
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(self._local, "i", 0))
+        monkeypatch.setattr(torch.cuda, "set_device", self._set)
+
+    def _set(self, device: torch.device) -> None:
+        self.set_calls.append(device.index)
+        self._local.i = device.index
+
+    def current(self) -> int:
+        return getattr(self._local, "i", 0)
+
+
+def test_bind_device_sets_the_calling_threads_device_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    devices = _ThreadDevices(monkeypatch)
+    bind_device("cuda:1")
+    bind_device("cuda:1")  # already current: no second call
+    assert devices.current() == 1 and devices.set_calls == [1]
+    seen: list[int] = []
+    other = threading.Thread(target=lambda: seen.append(devices.current()))
+    other.start()
+    other.join(5)
+    assert seen == [0], "a new thread starts on device 0: each thread must bind its own"
+    bind_device("cpu")
+    bind_device("cuda")  # the current device, whatever it is
+    assert devices.set_calls == [1]

@@ -3,6 +3,7 @@ the script is known to work before device time is spent on it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,9 +12,34 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.gpu_plan import QUICK
+
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("checkpoint", "device_tests", "pd_vs_colocated", "readiness", "bandwidth",
-         "decode_speed", "hf_generate", "chunked_prefill")  # fmt: skip
+STEPS = ("checkpoint", "bandwidth", "decode_speed", "chunked_prefill", "hf_generate",
+         "device_tests", "pd_vs_colocated", "readiness")  # fmt: skip
+
+
+def test_the_dry_plan_fits_the_8_minute_limit_with_its_margin() -> None:
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dry-plan"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()[1:-1]]
+    assert tuple(r[0] for r in rows) == STEPS
+    total = proc.stdout.splitlines()[-1].split()
+    assert total[0] == "total" and float(total[1]) <= 480 - 45
+    assert sum(float(r[1]) for r in rows) == float(total[1])
+
+
+def test_a_plan_over_the_limit_is_refused() -> None:
+    from bench.gpu_plan import FULL, plan_problems  # noqa: PLC0415
+
+    over = dataclasses.replace(FULL, budgets_s=(*FULL.budgets_s[:-1], ("readiness", 200.0)))
+    assert plan_problems(FULL) == []
+    assert "margin" in " ".join(plan_problems(over))
+    missing = dataclasses.replace(FULL, budgets_s=FULL.budgets_s[:-1])
+    assert "budgets name" in " ".join(plan_problems(missing))
 
 
 @pytest.mark.slow
@@ -21,12 +47,13 @@ def test_quick_cpu_rehearsal_passes_every_step_and_writes_the_json(tmp_path: Pat
     proc = subprocess.run(
         [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--quick", "--out",
          str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO, capture_output=True, text=True, timeout=QUICK.total_limit_s + 60,
     )  # fmt: skip
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     failed = {k: v for k, v in report["steps"].items() if v["status"] != "ok"}
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-2000:], proc.stderr[-2000:])
     assert tuple(report["steps"]) == STEPS and report["all_ok"]
+    assert all("over_budget" in v and v["budget_s"] > 0 for v in report["steps"].values())
     assert report["environment"]["device"] == "cpu"
     steps = {k: v["result"] for k, v in report["steps"].items()}
     assert steps["device_tests"]["tests"] > 0 and (tmp_path / "device_tests.xml").is_file()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -95,7 +97,8 @@ def test_prompts_at_page_boundaries_match_transformers(
         logits.append(runner.decode_logits([seq])[0])
     with torch.no_grad():
         ref = reference(torch.tensor([seq.token_ids])).logits[0, length - 1 :]
-    torch.testing.assert_close(torch.stack(logits), ref, atol=2e-4, rtol=1e-4)
+    # The reference runs on the CPU: compare there (assert_close rejects tensors on two devices).
+    torch.testing.assert_close(torch.stack(logits).cpu(), ref, atol=2e-4, rtol=1e-4)
 
 
 def test_prefill_after_cached_prefix_equals_full_prefill(runner: ModelRunner) -> None:
@@ -355,6 +358,8 @@ class FakeCudaMemory:
         monkeypatch.setattr(cuda, "memory_reserved", lambda *a: self.allocated)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: self.allocated + (256 << 20))
         monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (self.free, self.TOTAL))
+        uuid = types.SimpleNamespace(uuid=f"fake-{id(self)}")  # names the sizing lock's file
+        monkeypatch.setattr(cuda, "get_device_properties", lambda *a: uuid)
 
     @property
     def free(self) -> int:
@@ -366,13 +371,14 @@ def test_the_cuda_sizing_path_fills_the_share_and_serves_the_same_tokens(
 ) -> None:
     import pdserve.model_runner as model_runner  # noqa: PLC0415
 
+    # A prefill worker's config: it decodes nothing, so no graph memory is held back either.
     cfg = RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, max_num_seqs=4,
                        max_prefill_tokens=64, gpu_memory_utilization=0.5,
-                       enforce_eager=True)  # fmt: skip
+                       runs_decode_steps=False)  # fmt: skip
     reference = ModelRunner(dataclasses.replace(cfg, num_pages=128))
     fake = FakeCudaMemory(monkeypatch)
     monkeypatch.setattr(model_runner, "is_cpu", lambda device: False)  # take the CUDA branches
-    loaded = model_runner.load_weights
+    loaded = model_runner.load_model_weights
 
     def load_weights(*args: object, **kwargs: object) -> object:
         fake.allocated += 1 << 30
@@ -384,7 +390,7 @@ def test_the_cuda_sizing_path_fills_the_share_and_serves_the_same_tokens(
         original_warm_up(self)
 
     original_warm_up = ModelRunner._warm_up_largest_step
-    monkeypatch.setattr(model_runner, "load_weights", load_weights)
+    monkeypatch.setattr(model_runner, "load_model_weights", load_weights)
     monkeypatch.setattr(ModelRunner, "_warm_up_largest_step", warm_up)
     # The warm-up pool's bytes are counted as allocated once it exists.
     pool_cls = model_runner.KVPagePool
@@ -400,8 +406,34 @@ def test_the_cuda_sizing_path_fills_the_share_and_serves_the_same_tokens(
     expected = ((2 << 30) - (1 << 30) - (256 << 20) - (128 << 20)) // sized.kv_config.page_bytes
     assert fake.warm_ups == 1
     assert sized.kv_sizing is not None and sized.kv_sizing.num_pages == expected
+    assert sized.kv_sizing.graph_reserve_bytes == 0 and sized.graph_runner is None
     assert sized.kv_config.num_pages == expected == sized.kv_pool.kv.shape[0]
     assert sized.max_model_len == min(256, expected * PAGE_SIZE)
     prompt = _prompt(7, seed=3)
     book = PageBook()
     assert _run(sized, [book.seq("s", prompt)], 6) == _run(reference, [book.seq("r", prompt)], 6)
+
+
+def test_every_step_binds_the_runners_device_on_the_thread_that_runs_it(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA's current device is per thread: the engine's step thread is not the one that built
+    the runner, and on cuda:1 its launches would otherwise land on device 0."""
+    import pdserve.model_runner as model_runner  # noqa: PLC0415
+
+    bound: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        model_runner, "bind_device", lambda d: bound.append((threading.current_thread().name, d))
+    )
+    seq = PageBook().seq("t", _prompt(5, seed=4))
+
+    def steps() -> None:
+        runner.prefill([seq])
+        seq.num_cached_tokens = seq.num_tokens
+        seq.token_ids.append(1)
+        runner.decode([seq])
+
+    worker = threading.Thread(target=steps, name="step-thread")
+    worker.start()
+    worker.join(60)
+    assert bound == [("step-thread", runner.device)] * 2

@@ -32,3 +32,6 @@ class ApiConfig:
     max_grammar_chars: int = 65_536  # a JSON schema / regex / grammar / choice list, as text
     max_logit_bias: int = 300  # entries in logit_bias (OpenAI's limit)
     max_tools: int = 128
+    # JSON schemas: may objects hold keys their schema does not declare when it says nothing
+    # of additionalProperties? False: no (vLLM's default); True: yes (JSON Schema's reading).
+    json_allow_extra_keys: bool = False

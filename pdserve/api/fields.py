@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from pdserve.api import vllm_fields
 from pdserve.api.errors import unrecognized_argument, unsupported
 from pdserve.api.resume import RESUME_FIELDS
 from pdserve.api.structured import GUIDED_FIELDS, GUIDED_IGNORED
@@ -63,8 +63,9 @@ CHAT_SUPPORTED = (
         "continue_final_message",
         "add_generation_prompt",
     }
+    | vllm_fields.CHAT_HONOURED
 )
-COMPLETION_SUPPORTED = _COMMON | _EXTENSIONS | {"prompt", "echo"}
+COMPLETION_SUPPORTED = _COMMON | _EXTENSIONS | {"prompt", "echo"} | vllm_fields.HONOURED
 
 CHAT_IGNORED = frozenset(
     {
@@ -76,16 +77,15 @@ CHAT_IGNORED = frozenset(
         "safety_identifier",
     }
 )
-CHAT_IGNORED |= GUIDED_IGNORED
-COMPLETION_IGNORED = frozenset({"user"}) | GUIDED_IGNORED
+CHAT_IGNORED |= GUIDED_IGNORED | vllm_fields.CHAT_IGNORED
+COMPLETION_IGNORED = frozenset({"user"}) | GUIDED_IGNORED | vllm_fields.IGNORED
 
 
 def _is_empty(value: Any) -> bool:
     return value is None or value == [] or value == {} or value == ""
 
 
-# name -> (is the value harmless, what we say when it is not)
-Rule = tuple[Callable[[Any], bool], str]
+Rule = vllm_fields.Rule
 
 CHAT_CONDITIONAL: dict[str, Rule] = {
     "functions": (_is_empty, "the deprecated 'functions' field is not available; use 'tools'"),
@@ -99,6 +99,7 @@ CHAT_CONDITIONAL: dict[str, Rule] = {
     "reasoning_effort": (lambda v: v is None, "this model has no reasoning effort setting"),
     "web_search_options": (lambda v: v is None, "web search is not available"),
     "verbosity": (lambda v: v is None, "this model has no verbosity setting"),
+    **vllm_fields.CHAT_CONDITIONAL,
 }
 COMPLETION_CONDITIONAL: dict[str, Rule] = {
     "best_of": (
@@ -106,6 +107,7 @@ COMPLETION_CONDITIONAL: dict[str, Rule] = {
         "only best_of=1 is accepted",
     ),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not available"),
+    **vllm_fields.CONDITIONAL,
 }
 
 

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from pdserve.api.body import read_json_object
 from pdserve.api.errors import model_not_found, unsupported
+from pdserve.api.options import RequestOptions
 from pdserve.api.prepare import PreparedRequest, prepare_chat, prepare_completion
 from pdserve.api.protocol import (
     parse_chat_request,
@@ -29,9 +30,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions"""
     ctx = api_context(request)
     body = await _read(request, ctx)
-    rid = resolve_request_id(request.headers.get("X-Request-Id"), "chatcmpl")
+    rid = resolve_request_id(
+        request.headers.get("X-Request-Id"), "chatcmpl", body.get("request_id")
+    )
     engine = ctx.engine
     parsed = parse_chat_request(body, ctx.config, engine.tokenizer.vocab_size)
+    _check_prompt_logits(ctx, parsed.options)
     prepared = await prepare_chat(
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
@@ -44,19 +48,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions"""
     ctx = api_context(request)
     body = await _read(request, ctx)
-    rid = resolve_request_id(request.headers.get("X-Request-Id"), "cmpl")
+    rid = resolve_request_id(request.headers.get("X-Request-Id"), "cmpl", body.get("request_id"))
     engine = ctx.engine
     parsed = parse_completion_request(body, ctx.config, engine.tokenizer.vocab_size)
-    options = parsed.options
-    if options.echo and options.logprobs and engine.info.role != "colocated":
-        # The prompt's logits exist where it is prefilled; the decode leg answers the client.
-        raise unsupported("echo", "echo with logprobs needs a colocated worker")
+    _check_prompt_logits(ctx, parsed.options)
     prepared = await prepare_completion(
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
     await _attach_grammars(ctx, prepared)
     builder = CompletionResponseBuilder(prepared, ctx.token_texts)
     return await serve_prepared(request, ctx, prepared, builder)
+
+
+def _check_prompt_logits(ctx: ApiContext, options: RequestOptions) -> None:
+    """Prompt logprobs exist where the prompt is prefilled: on a colocated worker, or on a
+    decode worker that prefills the request itself (no ``kv_transfer_params``: the router
+    sends prompt-scoring requests there). A PD leg pair cannot answer them."""
+    if options.num_prompt_top_logprobs is None:
+        return
+    role = ctx.engine.info.role
+    if role == "colocated" or (role == "decode" and options.kv_transfer is None):
+        return
+    param = "prompt_logprobs" if options.prompt_logprobs is not None else "echo"
+    raise unsupported(param, "prompt logprobs are not computed on a prefill/decode leg pair")
 
 
 async def _attach_grammars(ctx: ApiContext, prepared: PreparedRequest) -> None:

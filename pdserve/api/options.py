@@ -9,7 +9,7 @@ from typing import Any
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import bad_request, unrecognized_argument
 from pdserve.api.resume import parse_resume
-from pdserve.api.structured import Constraint, parse_constraint
+from pdserve.api.structured import Constraint, allowing_extra_keys, parse_constraint
 from pdserve.api.validation import (
     as_bool,
     as_float,
@@ -20,6 +20,7 @@ from pdserve.api.validation import (
     optional,
     require,
 )
+from pdserve.api.vllm_fields import parse_vllm_options
 from pdserve.engine.protocol import KVTransferParams, ResumeState
 from pdserve.sampling_params import SamplingParams
 
@@ -53,14 +54,40 @@ class RequestOptions:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     kv_transfer: KVTransferParams | None = None
-    return_token_ids: bool = False  # router: chunks name their token ids
+    return_token_ids: bool = False  # replies name token ids (the router asks, to migrate)
     resume: ResumeState | None = None  # router: a migrated request's generated tokens
+    # vLLM's extensions (pdserve.api.vllm_fields)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens
+    truncation_side: str = "left"  # left: keep the last ones (vLLM's default)
+    add_special_tokens: bool | None = None  # None: the endpoint's default
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (its own reply field)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @property
+    def is_scoring_only(self) -> bool:
+        """``max_tokens: 0`` with echo: the prompt (and its logprobs), nothing generated.
+        The engine still samples one token (its logits come with the prompt's); the reply
+        leaves it out."""
+        return self.max_tokens == 0
+
+    @property
+    def num_prompt_top_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprob entry needs, or None."""
+        wanted = [self.prompt_logprobs] if self.prompt_logprobs is not None else []
+        if self.echo and self.logprobs:
+            wanted.append(self.top_logprobs)
+        return max(wanted) if wanted else None
 
     def sampling_params(self, max_tokens: int, choice_index: int) -> SamplingParams:
         """Engine parameters for choice ``choice_index``: each choice gets its own seed."""
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max(1, max_tokens),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -76,7 +103,10 @@ class RequestOptions:
             logit_bias=self.logit_bias,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
-            prompt_logprobs=self.top_logprobs if self.echo and self.logprobs else None,
+            prompt_logprobs=self.num_prompt_top_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -106,7 +136,9 @@ def parse_options(
         ignore_eos=as_bool(optional(body, "ignore_eos", False), "ignore_eos"),
         min_tokens=as_int(optional(body, "min_tokens", 0), "min_tokens", 0),
         logit_bias=_parse_logit_bias(body.get("logit_bias"), config, vocab_size),
-        constraint=parse_constraint(body, config.max_grammar_chars),
+        constraint=allowing_extra_keys(
+            parse_constraint(body, config.max_grammar_chars), config.json_allow_extra_keys
+        ),
         n=as_int(optional(body, "n", 1), "n", 1, config.max_n),
         kv_transfer=parse_kv_transfer(body.get("kv_transfer_params")),
         return_token_ids=as_bool(optional(body, "return_token_ids", False), "return_token_ids"),
@@ -118,11 +150,16 @@ def parse_options(
             param="min_tokens",
         )
     _parse_stream(body, opts)
+    parse_vllm_options(body, opts, config.max_top_logprobs, is_chat)
     if is_chat:
         _parse_chat_logprobs(body, config, opts)
     else:
         _parse_completion_logprobs(body, config, opts)
         opts.echo = as_bool(optional(body, "echo", False), "echo")
+    if opts.max_tokens == 0 and not opts.echo:
+        raise bad_request(
+            "'max_tokens' 0 is only allowed with 'echo' (prompt scoring).", param="max_tokens"
+        )
     return opts
 
 
@@ -136,7 +173,8 @@ def _parse_max_tokens(body: dict[str, Any], is_chat: bool) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    return as_int(value, name, min_value=1)
+    # Completions: 0 with echo scores the prompt without generating (checked by the caller).
+    return as_int(value, name, min_value=1 if is_chat else 0)
 
 
 def _parse_seed(body: dict[str, Any]) -> int | None:
@@ -214,11 +252,16 @@ def _parse_stream(body: dict[str, Any], opts: RequestOptions) -> None:
         )
     obj = as_object(stream_options, "stream_options")
     for key in obj:
-        if key != "include_usage":
+        if key not in ("include_usage", "continuous_usage_stats"):
             raise unrecognized_argument(f"stream_options.{key}")
     opts.include_usage = as_bool(
         optional(obj, "include_usage", False), "stream_options.include_usage"
     )
+    # vLLM's extension (guidellm always sends it): usage on every chunk, with include_usage.
+    continuous = as_bool(
+        optional(obj, "continuous_usage_stats", False), "stream_options.continuous_usage_stats"
+    )
+    opts.continuous_usage = continuous and opts.include_usage
 
 
 def _parse_chat_logprobs(body: dict[str, Any], config: ApiConfig, opts: RequestOptions) -> None:

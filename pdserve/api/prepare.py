@@ -86,8 +86,18 @@ def render_chat(tokenizer: TokenizerLike, request: ChatCompletionRequest) -> str
 
 def _render_and_encode(tokenizer: TokenizerLike, request: ChatCompletionRequest) -> list[int]:
     text = render_chat(tokenizer, request)
-    # The template already holds any BOS it wants; adding special tokens would double it.
-    return tokenizer.encode(text, add_special_tokens=False)
+    # The template already holds any BOS it wants; adding special tokens would double it
+    # (vLLM's add_special_tokens asks for it anyway).
+    add_special = bool(request.options.add_special_tokens)
+    return truncate(tokenizer.encode(text, add_special_tokens=add_special), request.options)
+
+
+def truncate(ids: list[int], options: RequestOptions) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep that many tokens, the last ones by default."""
+    keep = options.truncate_prompt_tokens
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[:keep] if options.truncation_side == "right" else ids[-keep:]
 
 
 async def prepare_chat(
@@ -115,20 +125,26 @@ async def prepare_completion(
     config: ApiConfig,
 ) -> PreparedRequest:
     """Tokenize each text prompt of the batch, then build one engine request per choice."""
+    options = request.options
+    add_special = options.add_special_tokens is not False
     prompts: list[list[int]] = []
+    echo_texts: list[str] = []
     for prompt in request.prompts:
         if isinstance(prompt, str):
-            encode = functools.partial(tokenizer.encode, prompt, add_special_tokens=True)
-            prompts.append(await _run_maybe_offloop(config, len(prompt), encode))
+            encode = functools.partial(tokenizer.encode, prompt, add_special_tokens=add_special)
+            ids = await _run_maybe_offloop(config, len(prompt), encode)
         else:
-            prompts.append(prompt)
-    prepared = _build(
-        request_id, request.model, prompts, request.options, max_model_len, config, "prompt"
-    )
-    if request.options.echo:
-        prepared.echo_texts = [
-            p if isinstance(p, str) else tokenizer.decode(p) for p in request.prompts
-        ]
+            ids = prompt
+        kept = truncate(ids, options)
+        prompts.append(kept)
+        if options.echo:
+            # A text prompt echoes as sent; token ids (and a cut prompt) as their text with
+            # special tokens, which agrees with the logprobs' tokens and text_offset.
+            is_as_sent = isinstance(prompt, str) and len(kept) == len(ids)
+            echo_texts.append(prompt if is_as_sent else tokenizer.decode(kept, False))
+    prepared = _build(request_id, request.model, prompts, options, max_model_len, config, "prompt")
+    if options.echo:
+        prepared.echo_texts = echo_texts
     return prepared
 
 

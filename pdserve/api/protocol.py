@@ -16,6 +16,7 @@ from pdserve.api import fields
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import bad_request, model_not_found, unrecognized_argument, unsupported
 from pdserve.api.options import RequestOptions, is_valid_id, parse_options
+from pdserve.api.structured import allowing_extra_keys
 from pdserve.api.tools import ToolConfig, parse_tools
 from pdserve.api.validation import as_bool, as_list, as_object, as_str, optional, require
 
@@ -85,8 +86,15 @@ class CompletionRequest:
     options: RequestOptions = field(default_factory=RequestOptions)
 
 
-def resolve_request_id(header: str | None, prefix: str) -> str:
-    """The client's ``X-Request-Id`` when valid (the router sets the same id on both legs)."""
+def resolve_request_id(header: str | None, prefix: str, body_id: Any = None) -> str:
+    """The client's ``X-Request-Id`` when valid (the router sets the same id on both legs),
+    else vLLM's body field ``request_id``, else a new one."""
+    if header is None and body_id is not None:
+        if not isinstance(body_id, str) or not is_valid_id(body_id):
+            raise bad_request(
+                "'request_id' must be 1..128 characters of [A-Za-z0-9._:-].", param="request_id"
+            )
+        return body_id
     if header is None:
         return f"{prefix}-{uuid.uuid4().hex}"
     if not is_valid_id(header):
@@ -114,7 +122,10 @@ def parse_chat_request(
     messages = [parse_message(m, f"messages[{i}]") for i, m in enumerate(items)]
     options = parse_options(body, config, vocab_size, is_chat=True)
     tools = parse_tools(body, config)
-    if tools is not None and (constraint := tools.constraint()) is not None:
+    constraint = tools.constraint() if tools is not None else None
+    constraint = allowing_extra_keys(constraint, config.json_allow_extra_keys)
+    if constraint is not None:
+        assert tools is not None
         if options.constraint is not None:
             raise bad_request(
                 f"'tool_choice' {tools.mode!r} cannot be combined with "
@@ -150,7 +161,10 @@ def parse_template_options(body: dict[str, Any]) -> TemplateOptions:
                 f"'chat_template_kwargs.{key}' cannot be set there.",
                 param=f"chat_template_kwargs.{key}",
             )
-    return TemplateOptions(not cont and add, cont, dict(kwargs))
+    extra = dict(kwargs)
+    if body.get("documents") is not None:  # vLLM's RAG documents, a template variable
+        extra["documents"] = body["documents"]
+    return TemplateOptions(not cont and add, cont, extra)
 
 
 def parse_completion_request(

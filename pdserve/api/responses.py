@@ -6,6 +6,7 @@ delta, then :meth:`response`. Both keep the per-choice counters that ``usage`` r
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -14,10 +15,11 @@ from pdserve.api.logprobs import (
     chat_logprobs,
     completion_logprobs,
     merge_completion_logprobs,
+    vllm_prompt_logprobs,
 )
 from pdserve.api.prepare import PreparedRequest
 from pdserve.api.tools import ToolCall, ToolConfig, may_start_call, parse_tool_calls
-from pdserve.engine.protocol import GenerateOutput
+from pdserve.engine.protocol import GenerateOutput, TokenLogprob
 
 
 class ResponseBuilder(ABC):
@@ -34,12 +36,37 @@ class ResponseBuilder(ABC):
         self._num_cached = [0] * n  # prompt tokens each choice's engine found cached
         self._finish_reasons: list[str | None] = [None] * n
         self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._token_ids: list[list[int]] = [[] for _ in range(n)]  # return_token_ids
+        self._prompt_logprobs: list[list[Any] | None] = [None] * n  # vLLM's prompt_logprobs
+        self._is_opened = [False] * n  # the choice's first chunk went out
+
+    def _visible(self, out: GenerateOutput) -> GenerateOutput:
+        """The delta as the client sees it: prompt scoring (``max_tokens: 0``) leaves out the
+        one token the engine sampled alongside the prompt's logits."""
+        if not self.prepared.options.is_scoring_only:
+            return out
+        return dataclasses.replace(
+            out,
+            token_ids=[],
+            text="",
+            logprobs=None,
+            num_generated_tokens=0,
+            finish_reason="length" if out.finish_reason is not None else None,
+            stop_reason=None,
+        )
 
     def _header(self, object_name: str) -> dict[str, Any]:
         p = self.prepared
         return {"id": p.request_id, "object": object_name, "created": p.created, "model": p.model}
 
     def _record(self, index: int, out: GenerateOutput) -> None:
+        options = self.prepared.options
+        if options.return_token_ids:
+            self._token_ids[index].extend(out.token_ids)
+        if options.prompt_logprobs is not None and out.prompt_logprobs:
+            self._prompt_logprobs[index] = vllm_prompt_logprobs(
+                out.prompt_logprobs, self.texts, options.return_tokens_as_token_ids
+            )
         self._num_generated[index] = out.num_generated_tokens
         self._num_cached[index] = max(self._num_cached[index], out.num_cached_tokens)
         if out.finish_reason is not None:
@@ -67,7 +94,10 @@ class ResponseBuilder(ABC):
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._header(self.chunk_object), "choices": [choice]}
-        if self.prepared.options.include_usage:
+        options = self.prepared.options
+        if options.continuous_usage:  # vLLM: the totals so far on every chunk
+            chunk["usage"] = self.usage()
+        elif options.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
 
@@ -75,16 +105,40 @@ class ResponseBuilder(ABC):
         # With return_token_ids a delta whose text is held back still names its tokens.
         if self.prepared.options.return_token_ids and out.token_ids:
             return False
+        if self.prepared.options.prompt_logprobs is not None and out.prompt_logprobs:
+            return False
         return not text and out.finish_reason is None and logprobs is None
 
-    def _tagged(self, chunk: dict[str, Any], out: GenerateOutput) -> dict[str, Any]:
-        """The chunk, plus its token ids when the router asked (``return_token_ids``)."""
-        if self.prepared.options.return_token_ids:
-            chunk["choices"][0]["token_ids"] = list(out.token_ids)
+    def _tagged(self, chunk: dict[str, Any], index: int, out: GenerateOutput) -> dict[str, Any]:
+        """The chunk plus vLLM's extras: its token ids (``return_token_ids``; the router asks
+        too), and on the choice's first chunk the prompt's ids and ``prompt_logprobs``."""
+        options, choice = self.prepared.options, chunk["choices"][0]
+        is_first = not self._is_opened[index]
+        self._is_opened[index] = True
+        if options.return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+            if is_first:  # vLLM: on the chat chunk, on each completion choice
+                target = choice if self.object_name == "text_completion" else chunk
+                target["prompt_token_ids"] = self._prompt_ids(index)
+        if self._prompt_logprobs[index] is not None and out.prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs[index]
         return chunk
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        return list(self.prepared.engine_requests[index].prompt_token_ids)
+
+    def _extras(self, index: int, choice: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed choice plus its token ids and prompt logprobs, when asked."""
+        if self.prepared.options.return_token_ids:
+            choice["prompt_token_ids"] = self._prompt_ids(index)
+            choice["token_ids"] = self._token_ids[index]
+        if self.prepared.options.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs[index]
+        return choice
 
     def add(self, index: int, out: GenerateOutput) -> None:
         """Accumulate a delta for the non-streaming response."""
+        out = self._visible(out)
         self._record(index, out)
         if out.text:
             self._texts[index].append(out.text)
@@ -139,9 +193,8 @@ class ChatResponseBuilder(ResponseBuilder):
         if self._is_empty(out, out.text, logprobs):
             return None
         delta = {"content": out.text} if out.text else {}
-        return self._tagged(
-            self._chunk(_chat_choice(index, delta, logprobs, out.finish_reason)), out
-        )
+        chunk = self._chunk(_chat_choice(index, delta, logprobs, out.finish_reason))
+        return self._tagged(chunk, index, out)
 
     def _tool_chunk(
         self, index: int, out: GenerateOutput, logprobs: dict[str, Any] | None
@@ -181,23 +234,34 @@ class ChatResponseBuilder(ResponseBuilder):
         return self._chunk(_chat_choice(index, delta, logprobs, finish))
 
     def _logprob_block(self, out: GenerateOutput) -> dict[str, Any] | None:
-        if not self.prepared.options.logprobs or not out.logprobs:
+        options = self.prepared.options
+        if not options.logprobs or not out.logprobs:
             return None
-        return {"content": chat_logprobs(out.logprobs, self.texts)}
+        as_ids = options.return_tokens_as_token_ids
+        return {"content": chat_logprobs(out.logprobs, self.texts, as_ids)}
 
     def _add_logprobs(self, index: int, out: GenerateOutput) -> None:
-        if self.prepared.options.logprobs and out.logprobs:
-            self._logprobs[index].extend(chat_logprobs(out.logprobs, self.texts))
+        options = self.prepared.options
+        if options.logprobs and out.logprobs:
+            as_ids = options.return_tokens_as_token_ids
+            self._logprobs[index].extend(chat_logprobs(out.logprobs, self.texts, as_ids))
 
     def response(self) -> dict[str, Any]:
         choices = []
         for i in range(self.prepared.num_choices):
             logprobs = {"content": self._logprobs[i]} if self.prepared.options.logprobs else None
             message, finish = self._message(i)
-            choices.append(
-                {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
-            )
-        return {**self._header(self.object_name), "choices": choices, "usage": self.usage()}
+            choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            if self.prepared.options.return_token_ids:
+                choice["token_ids"] = self._token_ids[i]
+            choices.append(choice)
+        response = {**self._header(self.object_name), "choices": choices, "usage": self.usage()}
+        # vLLM puts the (one) conversation's prompt extras on the response itself.
+        if self.prepared.options.return_token_ids:
+            response["prompt_token_ids"] = self._prompt_ids(0)
+        if self.prepared.options.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self._prompt_logprobs[0]
+        return response
 
     def _message(self, index: int) -> tuple[dict[str, Any], str | None]:
         text, finish = "".join(self._texts[index]), self._finish_reasons[index]
@@ -235,6 +299,7 @@ class CompletionResponseBuilder(ResponseBuilder):
 
     def chunk(self, index: int, out: GenerateOutput) -> dict[str, Any] | None:
         """The chunk for one delta, or None when it carries nothing a client would see."""
+        out = self._visible(out)
         self._record(index, out)
         logprobs = self._logprob_block(index, out)
         text = self._echo_once(index) + out.text
@@ -246,7 +311,7 @@ class CompletionResponseBuilder(ResponseBuilder):
             "logprobs": logprobs,
             "finish_reason": out.finish_reason,
         }
-        return self._tagged(self._chunk(choice), out)
+        return self._tagged(self._chunk(choice), index, out)
 
     def _echo_once(self, index: int) -> str:
         # The prompt text goes before the choice's first delta, once.
@@ -262,18 +327,25 @@ class CompletionResponseBuilder(ResponseBuilder):
         super().add(index, out)
 
     def _logprob_block(self, index: int, out: GenerateOutput) -> dict[str, Any] | None:
-        if not self.prepared.options.logprobs or not (out.logprobs or out.prompt_logprobs):
+        options = self.prepared.options
+        is_echoed = options.echo and bool(out.prompt_logprobs)
+        if not options.logprobs or not (out.logprobs or is_echoed):
             return None
+        as_ids = options.return_tokens_as_token_ids
         blocks = []
-        if out.prompt_logprobs:  # echo: the prompt's tokens come first, as their text does
-            prompt_ids = self.prepared.engine_requests[index].prompt_token_ids
+        if is_echoed:  # the prompt's tokens come first, as their text does
+            assert out.prompt_logprobs is not None
             block, self._text_offsets[index] = completion_logprobs(
-                out.prompt_logprobs, self.texts, self._text_offsets[index], prompt_ids
+                _top_n(out.prompt_logprobs, options.top_logprobs),
+                self.texts,
+                self._text_offsets[index],
+                self._prompt_ids(index),
+                as_ids,
             )
             blocks.append(block)
         if out.logprobs:
             block, self._text_offsets[index] = completion_logprobs(
-                out.logprobs, self.texts, self._text_offsets[index]
+                out.logprobs, self.texts, self._text_offsets[index], None, as_ids
             )
             blocks.append(block)
         return blocks[0] if len(blocks) == 1 else merge_completion_logprobs(blocks)
@@ -289,12 +361,20 @@ class CompletionResponseBuilder(ResponseBuilder):
             logprobs = None
             if self.prepared.options.logprobs:
                 logprobs = merge_completion_logprobs(self._blocks[i])
-            choices.append(
-                {
-                    "index": i,
-                    "text": "".join(self._texts[i]),
-                    "logprobs": logprobs,
-                    "finish_reason": self._finish_reasons[i],
-                }
-            )
+            choice = {
+                "index": i,
+                "text": "".join(self._texts[i]),
+                "logprobs": logprobs,
+                "finish_reason": self._finish_reasons[i],
+            }
+            choices.append(self._extras(i, choice))
         return {**self._header(self.object_name), "choices": choices, "usage": self.usage()}
+
+
+def _top_n(entries: list[TokenLogprob | None], n: int) -> list[TokenLogprob | None]:
+    # The prompt's entries carry as many alternatives as the larger of echo's logprobs and
+    # prompt_logprobs asked for; the legacy block shows logprobs' count.
+    return [
+        e if e is None or len(e.top) <= n else dataclasses.replace(e, top=e.top[:n])
+        for e in entries
+    ]

@@ -10,6 +10,7 @@ Compilation (and its own errors) happens in :mod:`pdserve.api.grammar_service`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,14 @@ class Constraint:
 
     spec: GrammarSpec
     param: str
+
+
+def allowing_extra_keys(constraint: Constraint | None, allow: bool) -> Constraint | None:
+    """``constraint`` under the server's reading of schemas that do not say
+    ``additionalProperties`` (see :class:`~pdserve.grammar.spec.GrammarSpec`)."""
+    if constraint is None or not allow or constraint.spec.kind != "json_schema":
+        return constraint
+    return Constraint(dataclasses.replace(constraint.spec, allow_extra_keys=True), constraint.param)
 
 
 def parse_constraint(body: dict[str, Any], max_chars: int) -> Constraint | None:

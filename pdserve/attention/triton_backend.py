@@ -39,6 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
             else CPU_NUM_SMS
         )
         self._static_workspace: torch.Tensor | None = None
+        self._retired_workspaces: list[torch.Tensor] = []  # still read by earlier graphs
         self._workspace: torch.Tensor | None = None
         # One split count for every step: a sequence's bits never depend on its batch size.
         self._num_splits = num_splits_for(config.num_kv_heads, self.num_sms)
@@ -78,7 +79,14 @@ class TritonAttentionBackend(AttentionBackend):
     # ----- CUDA graph hooks -------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_num_seqs: int) -> None:
+        # Allocated once per backend: a graph captured earlier (another DecodeGraphRunner on
+        # this backend) keeps this pointer, so it is never freed or replaced while in use. A
+        # larger need gets a new buffer and the old one stays referenced.
         floats = self._workspace_floats(max_num_seqs)
+        if self._static_workspace is not None and self._static_workspace.numel() >= floats:
+            return
+        if self._static_workspace is not None:
+            self._retired_workspaces.append(self._static_workspace)
         self._static_workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:

@@ -23,7 +23,10 @@ class OutputState:
         self._stops = [s for s in sp.stop if s]
         # Text that might be the start of a stop string is held back until it can't be.
         self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._detok = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.num_prompt_tokens])
+        self._detok = IncrementalDetokenizer(
+            tokenizer, seq.token_ids[: seq.num_prompt_tokens], sp.skip_special_tokens
+        )
+        self._keep_stop_str = sp.include_stop_str_in_output
         self._text = ""  # all generated text so far (untrimmed)
         self._num_sent_chars = 0
         self._num_sent_tokens = 0
@@ -80,6 +83,8 @@ class OutputState:
             hit = self._find_stop(prev_len)
             if hit is not None:
                 end, stop_reason, finish = hit[0], hit[1], "stop"
+                if self._keep_stop_str:
+                    end += len(hit[1])
         if finish is None:
             end = max(self._num_sent_chars, end - self._hold)
         delta = self._text[self._num_sent_chars : end]

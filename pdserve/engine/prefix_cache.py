@@ -42,10 +42,18 @@ class PrefixCache:
         self._root = hashlib.blake2b(b"pdserve-prefix:" + salt, digest_size=16).digest()
         self.stats = PrefixCacheStats()
 
-    def extend_keys(self, keys: list[bytes], token_ids: list[int], num_pages: int) -> list[bytes]:
-        """Extend ``keys`` (the chained keys of ``token_ids``' first pages) to ``num_pages``."""
+    def extend_keys(
+        self, keys: list[bytes], token_ids: list[int], num_pages: int, salt: str | None = None
+    ) -> list[bytes]:
+        """Extend ``keys`` (the chained keys of ``token_ids``' first pages) to ``num_pages``.
+
+        A request's ``cache_salt`` goes into its first page's key, so every key of its chain
+        differs from an unsalted (or otherwise salted) request's: tenants share no pages.
+        """
         ps = self.page_size
         parent = keys[-1] if keys else self._root
+        if not keys and salt is not None:
+            parent = hashlib.blake2b(parent + salt.encode(), digest_size=16).digest()
         for i in range(len(keys), num_pages):
             page = array("q", token_ids[i * ps : (i + 1) * ps]).tobytes()
             parent = hashlib.blake2b(parent + page, digest_size=16).digest()
@@ -61,7 +69,7 @@ class PrefixCache:
         if not self.enabled:
             return []
         num_full = seq.num_tokens // self.page_size
-        self.extend_keys(keys, seq.token_ids, num_full)
+        self.extend_keys(keys, seq.token_ids, num_full, seq.sampling.cache_salt)
         pages: list[int] = []
         for key in keys[:num_full]:
             page = self.allocator.cached_page(key)
@@ -97,6 +105,6 @@ class PrefixCache:
         if not self.enabled:
             return
         num_full = min(seq.num_cached_tokens // self.page_size, len(seq.page_ids))
-        self.extend_keys(keys, seq.token_ids, num_full)
+        self.extend_keys(keys, seq.token_ids, num_full, seq.sampling.cache_salt)
         for page, key in zip(seq.page_ids[:num_full], keys[:num_full], strict=True):
             self.allocator.cache_page(page, key)

@@ -16,8 +16,6 @@ and grammar masks on logits (:mod:`pdserve.kernels.logits_processors`).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -26,20 +24,19 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from pdserve import envs
+from pdserve.file_lock import exclusive_file_lock as _exclusive
 
 logger = logging.getLogger(__name__)
 
 MODULE_NAME = "pdserve_cpu_ext"
 SOURCE_DIR = Path(__file__).parent / "csrc"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0  # a few translation units of ~1 min each on 2 busy cores
 
@@ -73,25 +70,6 @@ def build_key(source_dir: Path | None = None) -> str:
 
 def library_path(cache_dir: Path) -> Path:
     return cache_dir / build_key() / f"{MODULE_NAME}.so"
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
-    """An flock on ``lock_path``, polled until ``timeout_s`` (then TimeoutError)."""
-    deadline = time.monotonic() + timeout_s
-    with open(lock_path, "a") as f:
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{lock_path} held for {timeout_s} s") from None
-                time.sleep(0.2)  # poll interval of a bounded wait, not synchronisation by sleep
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build(cache_dir: Path, timeout_s: float = BUILD_TIMEOUT_S) -> Path:

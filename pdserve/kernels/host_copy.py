@@ -49,7 +49,7 @@ class PendingHostSample:
         self._host.copy_(source, non_blocking=is_cuda)
         if is_cuda:
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(device))  # the copy's device
 
     def wait(self) -> HostSample:
         """The lists, once the copy has landed (blocks on the CUDA event, if any)."""

@@ -12,7 +12,8 @@ takes data-dependent shortcuts (the candidate race of :mod:`~pdserve.kernels.sam
 with a full-vocabulary fallback for the rows that need it, a bisection that stops once every row
 converged). On a GPU each such read is a device->host sync that stalls the launch queue, so the
 sync-free formulation runs a fixed amount of work: every row on the full-vocabulary path, the
-top-p bisection for its worst-case number of steps. Which branches run is decided from
+top-p floor found by one sort of each row (a handful of kernels) instead of the CPU's bisection
+(up to 31 rounds of masked sums, each several kernels). Which branches run is decided from
 :class:`~pdserve.kernels.sampling_tensors.HostFlags`, known on the host before any kernel runs.
 """
 
@@ -34,8 +35,7 @@ _GOLDEN = 0x9E3779B9
 _SEED_MUL = 0x85EBCA6B
 _MAX_UNIFORM = 1.0 - 2.0**-24  # the largest float32 below 1
 # The top-p bisection's interval is at most 2**30 + 1 float32 bit patterns wide (probabilities
-# lie in [0, 1], 1.0 is 0x3F800000): 31 halvings always reach adjacent patterns, and further
-# steps leave a converged row unchanged (mid == lo, which is never inside).
+# lie in [0, 1], 1.0 is 0x3F800000): 31 halvings always reach adjacent patterns.
 TOP_P_BISECTION_STEPS = 31
 
 
@@ -126,7 +126,7 @@ def _kth_largest(
     return kth.masked_fill(~is_active.unsqueeze(1), float("-inf"))
 
 
-def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor, fixed_steps: bool) -> torch.Tensor:
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per-row probability threshold ``(B, 1)`` of the top-p nucleus (0 for rows without).
 
     The nucleus is the smallest descending prefix whose mass reaches top_p; its last (floor)
@@ -135,8 +135,8 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor, fixed_steps: bool) ->
     over float32 bit patterns (monotone for non-negative floats) lands exactly on f in at most
     31 masked sums (fewer for flat rows) instead of sorting the vocabulary (~3.5 ms per 32k row
     on this CPU). The sums are float64: float32 rounding (~1e-7) would decide borderline tokens.
-    ``fixed_steps`` runs all :data:`TOP_P_BISECTION_STEPS` instead of testing for convergence
-    (a sync on CUDA); the result is the same.
+    Stops once every row converged (a host read: the CPU formulation; see
+    :func:`_top_p_floor_sorted` for the devices').
     """
     bits = probs.view(torch.int32)
     wide = probs.double()
@@ -144,7 +144,7 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor, fixed_steps: bool) ->
     lo = bits.amin(dim=1, keepdim=True) - 1  # G(below the min) = all mass: not < top_p
     hi = bits.amax(dim=1, keepdim=True)  # G(max) = 0 < top_p
     for _ in range(TOP_P_BISECTION_STEPS):
-        if not fixed_steps and not bool((hi - lo > 1).any()):
+        if not bool((hi - lo > 1).any()):
             break
         mid = lo + (hi - lo) // 2
         is_inside = wide.masked_fill(bits <= mid, 0.0).sum(dim=1, keepdim=True) < target
@@ -153,8 +153,27 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor, fixed_steps: bool) ->
     return hi.view(torch.float32).masked_fill(target >= 1.0, 0.0)
 
 
+def _top_p_floor_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """:func:`_top_p_floor` by one sort per row, with no host read: the devices' formulation.
+
+    With ``s`` a row sorted descending and ``E_i = s_0 + ... + s_(i-1)`` (float64), E is
+    non-decreasing, so the indices with ``E_i < top_p`` are a prefix ``0 .. k-1`` and the floor
+    is ``s_(k-1)``: ``G(s_(k-1)) <= E_(k-1) < top_p``, while any smaller value ``s_k`` has
+    ``G(s_k) = E_k >= top_p`` (ties of ``s_(k-1)`` share its value). The same value the
+    bisection lands on; the float64 sums run in another order, which could only matter for a
+    top_p within ~1e-16 of a partial mass.
+    """
+    desc = probs.sort(dim=1, descending=True).values
+    mass = desc.double().cumsum(dim=1)
+    before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)  # E_i  # (B, V)
+    target = top_p.unsqueeze(1).double()
+    k = (before < target).sum(dim=1, keepdim=True)  # >= 1 for top_p > 0 (E_0 = 0)
+    floor = desc.gather(1, (k - 1).clamp(min=0))
+    return floor.masked_fill(target >= 1.0, 0.0)
+
+
 def _filter_top_k_top_p(
-    logits: torch.Tensor, t: SamplingTensors, fixed_steps: bool = False
+    logits: torch.Tensor, t: SamplingTensors, sync_free: bool = False
 ) -> torch.Tensor:
     """Mask (to -inf) entries outside each row's top-k, then outside its top-p nucleus.
 
@@ -170,7 +189,7 @@ def _filter_top_k_top_p(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if flags.any_top_p:
         probs = logits.softmax(dim=1)
-        floor = _top_p_floor(probs, t.top_p, fixed_steps)
+        floor = (_top_p_floor_sorted if sync_free else _top_p_floor)(probs, t.top_p)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
@@ -181,11 +200,11 @@ def _race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def _full_vocab_sample(
-    logits: torch.Tensor, t: SamplingTensors, fixed_steps: bool = False
+    logits: torch.Tensor, t: SamplingTensors, sync_free: bool = False
 ) -> torch.Tensor:
     """The reference path: truncate over the whole vocabulary, race with noise for every id."""
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0).unsqueeze(1)
-    filtered = _filter_top_k_top_p(logits / temperature, t, fixed_steps)
+    filtered = _filter_top_k_top_p(logits / temperature, t, sync_free)
     return _race(filtered, uniform_noise(t.seeds, t.positions, logits.shape[1]))
 
 
@@ -212,7 +231,7 @@ def _random_sample(
     on the full-vocabulary path (picking the rows that need it would read the plan)."""
     vocab = logits.shape[1]
     if sync_free or vocab <= CANDIDATE_WIDTH:
-        return _full_vocab_sample(logits, t, fixed_steps=sync_free)
+        return _full_vocab_sample(logits, t, sync_free)
     plan = plan_candidates(logits, t.temperature, t.top_k, t.top_p)
     choice = _race(plan.scaled, uniform_noise(t.seeds, t.positions, plan.ids))
     token_ids = plan.ids.gather(1, choice.unsqueeze(1)).squeeze(1)

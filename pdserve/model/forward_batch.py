@@ -28,6 +28,7 @@ from pdserve.kernels.attention import PrefillSeqMeta
 from pdserve.sequence import Sequence
 
 DECODE_FIELDS = 5  # input_ids, positions, context_lens, page_idx, page_offset
+DECODE_ALIGN = 2  # int64 elements: a mixed step's decode part starts 16-byte aligned
 
 
 @dataclass
@@ -73,6 +74,23 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def decode_fields(
+    seqs: list[Sequence], page_size: int, scratch_page: int, num_rows: int
+) -> list[int]:
+    """The decode layout's per-row fields (input ids, positions, lengths, the new token's page
+    and slot) for ``seqs`` padded to ``num_rows`` rows: ``DECODE_FIELDS * num_rows`` ints."""
+    num_pad = num_rows - len(seqs)
+    assert num_pad >= 0, f"{len(seqs)} sequences do not fit {num_rows} rows"
+    lens = [s.num_tokens for s in seqs]
+    flat = [s.token_ids[-1] for s in seqs] + [0] * num_pad
+    flat += [n - 1 for n in lens] + [0] * num_pad
+    flat += lens + [1] * num_pad
+    flat += [s.page_ids[(n - 1) // page_size] for s, n in zip(seqs, lens, strict=True)]
+    flat += [scratch_page] * num_pad
+    flat += [(n - 1) % page_size for n in lens] + [0] * num_pad
+    return flat
+
+
 def decode_values(
     seqs: list[Sequence], page_size: int, scratch_page: int, num_rows: int | None = None
 ) -> tuple[list[int], int]:
@@ -83,15 +101,8 @@ def decode_values(
     """
     num_rows = num_rows or len(seqs)
     num_pad = num_rows - len(seqs)
-    assert num_pad >= 0, f"{len(seqs)} sequences do not fit {num_rows} rows"
-    lens = [s.num_tokens for s in seqs]
-    width = -(-max(lens) // page_size)
-    flat = [s.token_ids[-1] for s in seqs] + [0] * num_pad
-    flat += [n - 1 for n in lens] + [0] * num_pad
-    flat += lens + [1] * num_pad
-    flat += [s.page_ids[(n - 1) // page_size] for s, n in zip(seqs, lens, strict=True)]
-    flat += [scratch_page] * num_pad
-    flat += [(n - 1) % page_size for n in lens] + [0] * num_pad
+    width = -(-max(s.num_tokens for s in seqs) // page_size)
+    flat = decode_fields(seqs, page_size, scratch_page, num_rows)
     flat.append(width)
     for s in seqs:
         pages = s.page_ids[:width]
@@ -213,10 +224,13 @@ def mixed_batch(
     rest of the model sees one batch of all rows."""
     ext_values = extend_values(prefill, page_size, scratch_page)
     dec_values, width = decode_values(decode, page_size, scratch_page)
-    data = to_device(ext_values + dec_values, device)
+    # The decode part starts on a 16-byte boundary: Triton specialises kernels on pointer
+    # alignment, and an odd int64 offset (half the chunks) would compile a second variant.
+    dec_start = -(-len(ext_values) // DECODE_ALIGN) * DECODE_ALIGN
+    data = to_device(ext_values + [0] * (dec_start - len(ext_values)) + dec_values, device)
     extend, last_rows = extend_batch_views(data[: len(ext_values)], prefill, page_size)
     lens = [s.num_tokens for s in decode]
-    dec = decode_batch_views(data[len(ext_values) :], len(decode), width, min(lens), max(lens))
+    dec = decode_batch_views(data[dec_start:], len(decode), width, min(lens), max(lens))
     num_extend = extend.input_ids.shape[0]
     decode_rows = torch.arange(num_extend, num_extend + len(decode), device=data.device)
     batch = ForwardBatch(

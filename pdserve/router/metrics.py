@@ -54,6 +54,11 @@ class RouterCollector(Collector):
             stats.num_decode_fallbacks,
         )
         yield _counter(
+            "pdserve_router_scoring_on_decode",
+            "Prompt-scoring attempts (prompt logprobs) a decode worker prefilled and answered",
+            stats.num_scoring_on_decode,
+        )
+        yield _counter(
             "pdserve_router_client_disconnects",
             "Clients that left before their response ended",
             stats.num_client_disconnects,

@@ -51,6 +51,7 @@ class StreamTracker:
     """What one client stream has received so far, across every worker that served it."""
 
     is_chat: bool
+    keep_token_ids: bool = False  # the client asked for return_token_ids itself
     out: web.StreamResponse | None = None  # the client's response once prepared
     status: int = 200
     token_ids: list[int] = field(default_factory=list)
@@ -99,6 +100,8 @@ class StreamTracker:
         if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
             self.saw_error = self.saw_error or (isinstance(obj, dict) and "error" in obj)
             return event
+        if not self.keep_token_ids or self.num_migrations:  # the client has them once
+            obj.pop("prompt_token_ids", None)
         if self.stream_id is None:
             self.stream_id, self.created = obj.get("id"), obj.get("created")
         else:
@@ -110,7 +113,9 @@ class StreamTracker:
 
     def _choice(self, choice: dict[str, Any]) -> bool:
         """Record one choice; whether it carries anything for the client."""
-        ids = choice.pop("token_ids", None)
+        ids = choice.get("token_ids") if self.keep_token_ids else choice.pop("token_ids", None)
+        if not self.keep_token_ids or self.num_migrations:
+            choice.pop("prompt_token_ids", None)
         delta = choice.get("delta") if self.is_chat else None
         text = (delta or {}).get("content") if self.is_chat else choice.get("text")
         if isinstance(ids, list):
@@ -125,4 +130,6 @@ class StreamTracker:
             return True
         if is_opening:  # the role chunk opens the stream once, not on every worker
             return self.num_migrations == 0
+        if ids and self.keep_token_ids:
+            return True
         return bool(text) or bool(choice.get("logprobs")) or bool(delta)

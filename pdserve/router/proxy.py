@@ -30,6 +30,7 @@ from pdserve.router.errors import error_response
 from pdserve.router.legs import UpstreamClient
 from pdserve.router.migration import StreamTracker, first_body, is_migratable
 from pdserve.router.policies import make_policy
+from pdserve.router.scoring import needs_prompt_logits
 from pdserve.router.stats import RouterStats
 from pdserve.router.workers import Worker, WorkerManager
 
@@ -151,7 +152,10 @@ class Dispatcher:
         """Serve one OpenAI request end to end (the caller checked auth and parsed the body)."""
         ctx = RequestCtx(request_id, path, body, raw_body, time.monotonic())
         if self._config.migration_limit > 0 and is_migratable(path, body):
-            ctx.tracker = StreamTracker(is_chat=path.endswith("/chat/completions"))
+            ctx.tracker = StreamTracker(
+                is_chat=path.endswith("/chat/completions"),
+                keep_token_ids=body.get("return_token_ids") is True,
+            )
         self._active[request_id] = ctx
         self._idle.clear()
         try:
@@ -198,7 +202,9 @@ class Dispatcher:
             if ctx.is_aborted:
                 break
             num_tries += 1
-            plan = self._choose(excluded, key, num_prompt_tokens)
+            plan = self._choose(
+                excluded, key, num_prompt_tokens, needs_prompt_logits(ctx.path, ctx.body)
+            )
             if plan is None:
                 last = AttemptFailed(
                     "no healthy prefill+decode pair or colocated worker", status=503
@@ -278,11 +284,21 @@ class Dispatcher:
         cfg = self._config
         return backoff_s(attempt_no, cfg.backoff_base_s, cfg.max_backoff_s, self._rng)
 
-    def _choose(self, excluded: set[str], key: str | None, num_prompt_tokens: int) -> Plan | None:
+    def _choose(
+        self, excluded: set[str], key: str | None, num_prompt_tokens: int, is_scoring: bool
+    ) -> Plan | None:
         # Both legs by the prompt's text: the prefill and the decode each keep a prefix cache
         # (a decode holding the prefix receives only the rest of the KV).
         prefills = self._workers.available("prefill")
         decodes = self._workers.available("decode")
+        colocated = self._workers.available("colocated")
+        if is_scoring and not colocated and decodes and not self._config.enforce_disagg:
+            # Prompt logprobs come from the prompt's logits, which a PD pair leaves on the
+            # prefill: a decode prefills the request itself and answers it whole.
+            self._stats.num_scoring_on_decode += 1
+            return Plan(None, self._pick("decode", decodes, excluded, key), num_prompt_tokens)
+        if is_scoring and colocated:
+            return Plan(None, self._pick("colocated", colocated, excluded, key), num_prompt_tokens)
         if not self._config.enforce_disagg and decodes:
             # Every prefill failed this request already (one killed a moment ago still looks
             # healthy until the next probe): the retry goes to a decode prefilling itself.
@@ -293,7 +309,6 @@ class Dispatcher:
                 self._pick("decode", decodes, excluded, key),
                 num_prompt_tokens,
             )
-        colocated = self._workers.available("colocated")
         if colocated:
             return Plan(None, self._pick("colocated", colocated, excluded, key), num_prompt_tokens)
         if decodes and not self._config.enforce_disagg:

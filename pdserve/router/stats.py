@@ -49,6 +49,7 @@ class RouterStats:
     num_shed: int = 0  # answered 429 by the admission check
     num_migrations: int = 0  # broken streams resumed on another path
     num_decode_fallbacks: int = 0  # attempts sent to a decode that prefills itself
+    num_scoring_on_decode: int = 0  # prompt-scoring attempts a decode served whole
     num_client_disconnects: int = 0
     num_aborts_sent: int = 0
     breaker_opens: Counter[str] = field(default_factory=Counter)  # by worker url

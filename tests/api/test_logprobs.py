@@ -56,7 +56,7 @@ def test_completion_text_offsets_continue_across_deltas() -> None:
     assert merged == {
         "tokens": ["a", "b", "c"],
         "token_logprobs": [-1.0, -2.0, -3.0],
-        "top_logprobs": [{}, {}, {"c": -3.0}],
+        "top_logprobs": [{"a": -1.0}, {"b": -2.0}, {"c": -3.0}],
         "text_offset": [0, 1, 2],
     }
 
@@ -70,3 +70,23 @@ def test_token_texts_memoize_and_stay_bounded() -> None:
     for token_id in range(97, 107):
         texts.text(token_id)
     assert len(texts._cache) <= 4
+
+
+def test_completion_top_logprobs_always_hold_the_chosen_token() -> None:
+    # Sampled ' stand' at -8.57 while the single top alternative is ' us': OpenAI's legacy API
+    # and vLLM list both, so top_logprobs[i][tokens[i]] never raises KeyError.
+    texts = TokenTexts(ByteTokenizer())
+    block, _ = completion_logprobs([TokenLogprob(115, -8.57, ((117, -7.3),))], texts, 0)
+    assert block["top_logprobs"] == [{"u": -7.3, "s": -8.57}]
+    token = block["tokens"][0]
+    assert block["top_logprobs"][0][token] == block["token_logprobs"][0]
+
+
+def test_tokens_can_be_named_by_id() -> None:
+    texts = TokenTexts(ByteTokenizer())
+    block, _ = completion_logprobs([TokenLogprob(97, -1.0, ((98, -0.5),))], texts, 0, None, True)
+    assert block["tokens"] == ["token_id:97"]
+    assert block["top_logprobs"] == [{"token_id:98": -0.5, "token_id:97": -1.0}]
+    assert block["text_offset"] == [0]  # offsets still count the text
+    items = chat_logprobs([TokenLogprob(97, -1.0)], texts, as_ids=True)
+    assert items[0]["token"] == "token_id:97" and items[0]["bytes"] == [97]

@@ -24,10 +24,10 @@ GREEDY = dict(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def f32_runner(demo_dir: Path) -> ModelRunner:
-    # float32: a token must not depend on which rows shared its forward (bf16 rounding would
-    # make "same greedy output" a statement about the rounding, not the cache).
-    return ModelRunner(RunnerConfig(str(demo_dir), dtype="float32", page_size=PAGE, num_pages=96))
+def served_runner(demo_dir: Path) -> ModelRunner:
+    # The dtype users serve (the demo checkpoint's bf16): a token must not depend on which rows
+    # shared its forward, whatever the rounding (tests/engine/test_invariance.py: bit for bit).
+    return ModelRunner(RunnerConfig(str(demo_dir), page_size=PAGE, num_pages=96))
 
 
 async def started(runner: ModelRunner, **sched: object) -> Engine:
@@ -59,12 +59,12 @@ async def run_in_order(engine: Engine, ids_list: list[list[int]]) -> list[tuple[
 
 @pytest.mark.parametrize("chunked", [True, False])
 async def test_greedy_tokens_are_the_same_with_the_prefix_cache_on_and_off(
-    f32_runner: ModelRunner, chunked: bool
+    served_runner: ModelRunner, chunked: bool
 ):
     results = {}
     for caching in (False, True):
         engine = await started(
-            f32_runner, prefix_caching=caching, chunked_prefill=chunked, max_prefill_tokens=8
+            served_runner, prefix_caching=caching, chunked_prefill=chunked, max_prefill_tokens=8
         )
         try:
             results[caching] = await run_in_order(engine, prompts())
@@ -76,12 +76,12 @@ async def test_greedy_tokens_are_the_same_with_the_prefix_cache_on_and_off(
     assert [c for _, c in results[True]] == [0, 0, 8, 12, 20, 16]
 
 
-async def test_chunked_and_whole_prefill_give_the_same_greedy_tokens(f32_runner: ModelRunner):
+async def test_chunked_and_whole_prefill_give_the_same_greedy_tokens(served_runner: ModelRunner):
     ids = [(5 * i) % 150 + 9 for i in range(37)]
     got = []
     for chunked, budget in ((False, 2048), (True, 5), (True, 16)):
         engine = await started(
-            f32_runner, chunked_prefill=chunked, max_prefill_tokens=budget, prefix_caching=False
+            served_runner, chunked_prefill=chunked, max_prefill_tokens=budget, prefix_caching=False
         )
         try:
             got.append(tokens(await collect(engine, "r", ids, **GREEDY)))
@@ -90,8 +90,10 @@ async def test_chunked_and_whole_prefill_give_the_same_greedy_tokens(f32_runner:
     assert got[0] == got[1] == got[2]
 
 
-async def test_concurrent_requests_share_cached_pages_and_give_them_back(f32_runner: ModelRunner):
-    engine = await started(f32_runner, max_prefill_tokens=8)
+async def test_concurrent_requests_share_cached_pages_and_give_them_back(
+    served_runner: ModelRunner,
+):
+    engine = await started(served_runner, max_prefill_tokens=8)
     try:
         base = list(range(30, 54))
         first = await collect(engine, "warm", base, **GREEDY)
@@ -108,8 +110,8 @@ async def test_concurrent_requests_share_cached_pages_and_give_them_back(f32_run
         await engine.stop()
 
 
-async def test_cached_pages_count_as_free_in_the_load_a_router_reads(f32_runner: ModelRunner):
-    engine = await started(f32_runner)
+async def test_cached_pages_count_as_free_in_the_load_a_router_reads(served_runner: ModelRunner):
+    engine = await started(served_runner)
     try:
         await collect(engine, "warm", list(range(30, 54)), **GREEDY)
         await assert_idle(engine)
@@ -122,9 +124,9 @@ async def test_cached_pages_count_as_free_in_the_load_a_router_reads(f32_runner:
 
 
 async def test_running_stream_gets_a_token_every_step_of_a_long_prompts_prefill(
-    f32_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+    served_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ):
-    engine = await started(f32_runner, max_prefill_tokens=12, prefix_caching=False)
+    engine = await started(served_runner, max_prefill_tokens=12, prefix_caching=False)
     steps: list[tuple[list[str], list[tuple[str, int]]]] = []
     step = engine.steps.run
 
@@ -160,18 +162,18 @@ async def test_running_stream_gets_a_token_every_step_of_a_long_prompts_prefill(
 
 
 async def test_prompt_logprobs_cover_the_whole_prompt_with_cache_and_chunks_on(
-    f32_runner: ModelRunner,
+    served_runner: ModelRunner,
 ):
     """A prompt-logprobs request is prefilled whole with no cached prefix: its entries are what
     a plain whole prefill gives, though its prefix is cached and it exceeds the chunk budget."""
     base = prompts()[0]
     asked = dict(GREEDY, prompt_logprobs=0)
-    plain = await started(f32_runner, prefix_caching=False, chunked_prefill=False)
+    plain = await started(served_runner, prefix_caching=False, chunked_prefill=False)
     try:
         expected = (await collect(plain, "p", base, **asked))[0].prompt_logprobs
     finally:
         await plain.stop()
-    engine = await started(f32_runner, max_prefill_tokens=8)
+    engine = await started(served_runner, max_prefill_tokens=8)
     try:
         await collect(engine, "warm", base, **GREEDY)  # caches its pages
         outs = await collect(engine, "lp", base, **asked)
@@ -189,17 +191,17 @@ async def test_prompt_logprobs_cover_the_whole_prompt_with_cache_and_chunks_on(
 
 
 async def test_a_constrained_prompt_in_chunks_samples_what_it_samples_whole(
-    f32_runner: ModelRunner,
+    served_runner: ModelRunner,
 ):
     """Chunks before the last discard their sampled token: the grammar must not see it."""
     long_ids = [(5 * i) % 180 + 3 for i in range(30)]
     texts = []
     for chunked in (False, True):
-        engine = await started(f32_runner, max_prefill_tokens=8, chunked_prefill=chunked)
+        engine = await started(served_runner, max_prefill_tokens=8, chunked_prefill=chunked)
         try:
             sp = SamplingParams(max_tokens=30, temperature=0)
             req = GenerateRequest(f"g{chunked}", long_ids, sp)
-            req.grammar = _compiler(f32_runner).compile(GrammarSpec("regex", PATTERN))
+            req.grammar = _compiler(served_runner).compile(GrammarSpec("regex", PATTERN))
             texts.append("".join([o.text async for o in engine.generate(req)]))
             await assert_idle(engine)
         finally:

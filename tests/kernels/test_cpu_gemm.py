@@ -8,13 +8,11 @@ import torch.nn.functional as F
 
 from pdserve.kernels import cpu_ext, cpu_gemm
 
-module = cpu_ext.load()
-pytestmark = pytest.mark.skipif(module is None, reason="kernel needs AVX2 and a C++ compiler")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # skips where the kernels cannot run
 
 
 def _packed(w: torch.Tensor) -> cpu_gemm.PackedDenseWeight:
-    assert module is not None
-    return cpu_gemm.PackedDenseWeight(module, w)
+    return cpu_gemm.PackedDenseWeight(cpu_ext.load(), w)
 
 
 # rows 1..13 cover every row-group split (1, 2..6, 7 = 4 + 3, 8 = 4 + 4, 13 = 5 + 4 + 4);

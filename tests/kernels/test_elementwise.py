@@ -6,13 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ext
 from pdserve.kernels.elementwise import rope_, silu_mul
 from pdserve.kernels.rope import apply_rope, rope_tables
 
-needs_kernel = pytest.mark.skipif(
-    cpu_ext.load() is None, reason="kernel needs AVX2 and a C++ compiler"
-)
+needs_kernel = pytest.mark.usefixtures("cpu_kernels")  # skips where the kernels cannot run
 # bf16: the kernel rounds once, torch after each operator: at most a rounding step apart.
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.linear import Linear
+from pdserve.model.quantized import QuantizedTensor
 
 HAS_KERNEL = cpu_ext.load() is not None
 needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="the C++ CPU kernels do not run here")
@@ -75,3 +79,32 @@ def test_num_bytes_counts_the_weight_as_it_runs() -> None:
 def test_kernel_is_used_for_bf16_and_float32_weights_where_the_cpu_supports_it() -> None:
     assert (Linear(torch.randn(16, 8, dtype=torch.bfloat16)).kernel is not None) == HAS_KERNEL
     assert (Linear(torch.randn(16, 8)).kernel is not None) == HAS_KERNEL
+
+
+def _q8_parts() -> list[QuantizedTensor]:
+    rng = np.random.default_rng(0)
+    parts = []
+    for n in (24, 8):
+        dense = rng.standard_normal((n, 64)).astype(np.float32)
+        data = quantize(dense, GGMLQuantizationType.Q8_0).view(np.uint8).reshape(n, -1)
+        parts.append(QuantizedTensor("Q8_0", (n, 64), np.ascontiguousarray(data)))
+    return parts
+
+
+@needs_kernel
+def test_quantized_parts_stay_packed_and_keep_the_input_dtype() -> None:
+    parts = _q8_parts()
+    bias = torch.randn(32)
+    lin = Linear(parts, bias)
+    assert lin.quant is not None and lin.weight is None and lin.num_bytes == lin.quant.num_bytes
+    x = torch.randn(3, 64)
+    dense = torch.cat([p.dequantize() for p in parts])
+    torch.testing.assert_close(lin(x), F.linear(x, dense, bias), atol=1e-4, rtol=1e-5)
+    assert lin(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_quantized_weight_without_the_kernel_is_dequantized_to_bf16() -> None:
+    parts = _q8_parts()
+    lin = Linear(parts, None, use_kernel=False)
+    assert lin.quant is None
+    assert torch.equal(lin.weight, torch.cat([p.dequantize(torch.bfloat16) for p in parts]))

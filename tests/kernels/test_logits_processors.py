@@ -113,7 +113,7 @@ def _random_bitmask_rows(rows: int, words: int, seed: int) -> list[torch.Tensor]
     return list(masks)
 
 
-@pytest.mark.skipif(cpu_ext.load() is None, reason="kernel needs AVX2 and a C++ compiler")
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("vocab,width", [(70, 70), (70, 96), (70, 50), (32000, 32064), (13, 13)])
 def test_the_cpu_kernel_masks_exactly_what_the_torch_bias_masks(vocab: int, width: int) -> None:
     masks = _random_bitmask_rows(3, (vocab + 31) // 32, vocab + width)

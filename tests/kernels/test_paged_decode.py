@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -11,10 +13,15 @@ from pdserve.kernels.paged_attention import (
     reference_paged_decode_attention,
 )
 
-module = load_kernel(torch.float32, 64)
-needs_kernel = pytest.mark.skipif(module is None, reason="kernel needs AVX2 and a C++ compiler")
+needs_kernel = pytest.mark.usefixtures("cpu_kernels")  # skips where the kernels cannot run
 
 PAGE, NUM_LAYERS, LAYER = 16, 2, 1
+
+
+def cpu_kernels_module() -> types.ModuleType | None:
+    return load_kernel(torch.float32, 64)  # loaded when a test runs (cpu_ext.load is cached)
+
+
 # 1 token, exactly one page, one past a page, a ragged middle, and a long context.
 LENS = [1, PAGE, PAGE + 1, 2 * PAGE, 45, 1000]
 
@@ -49,7 +56,7 @@ def test_kernel_matches_torch_reference(
 ) -> None:
     q, pool, table, lens = _setup(LENS, 2, group, head_dim, dtype, seed=group * head_dim)
     scale = head_dim**-0.5
-    out = paged_decode_attention(module, q, pool, table, lens, scale, window)
+    out = paged_decode_attention(cpu_kernels_module(), q, pool, table, lens, scale, window)
     # The reference runs in float32 on the same (possibly bf16-rounded) inputs.
     ref = reference_paged_decode_attention(q.float(), pool.float(), table, lens, scale, window)
     assert out.dtype == dtype and out.shape == q.shape
@@ -67,17 +74,17 @@ def test_fallback_without_kernel_is_the_torch_reference() -> None:
 def test_unsupported_head_dims_and_dtypes_use_torch() -> None:
     assert load_kernel(torch.float16, 64) is None
     assert load_kernel(torch.bfloat16, 72) is None  # not a multiple of 16
-    assert load_kernel(torch.bfloat16, 128) is module
+    assert load_kernel(torch.bfloat16, 128) is cpu_kernels_module()
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_sequence_result_does_not_depend_on_its_batch_mates(dtype: torch.dtype) -> None:
     q, pool, table, lens = _setup(LENS, 2, 4, 64, dtype, seed=5)
-    together = paged_decode_attention(module, q, pool, table, lens, 0.125)
+    together = paged_decode_attention(cpu_kernels_module(), q, pool, table, lens, 0.125)
     for b in range(len(LENS)):
         alone = paged_decode_attention(
-            module, q[b : b + 1], pool, table[b : b + 1], lens[b : b + 1], 0.125
+            cpu_kernels_module(), q[b : b + 1], pool, table[b : b + 1], lens[b : b + 1], 0.125
         )
         assert torch.equal(alone[0], together[b]), b
 
@@ -89,9 +96,9 @@ def test_results_are_equal_with_one_and_two_threads() -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = paged_decode_attention(module, q, pool, table, lens, 0.125)
+        one = paged_decode_attention(cpu_kernels_module(), q, pool, table, lens, 0.125)
         torch.set_num_threads(2)
-        two = paged_decode_attention(module, q, pool, table, lens, 0.125)
+        two = paged_decode_attention(cpu_kernels_module(), q, pool, table, lens, 0.125)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
@@ -100,7 +107,7 @@ def test_results_are_equal_with_one_and_two_threads() -> None:
 @needs_kernel
 def test_slots_past_the_context_and_padding_pages_are_never_read() -> None:
     q, pool, table, lens = _setup([5, 33, 2], 2, 2, 64, torch.float32, seed=7)
-    expected = paged_decode_attention(module, q, pool, table, lens, 0.125, 20)
+    expected = paged_decode_attention(cpu_kernels_module(), q, pool, table, lens, 0.125, 20)
     poisoned = pool.clone()
     for b, n in enumerate(lens.tolist()):
         start = max(0, n - 20)  # keys before the window are hidden too
@@ -111,13 +118,13 @@ def test_slots_past_the_context_and_padding_pages_are_never_read() -> None:
         for (page, offset), kv in saved.items():
             poisoned[page, :, offset] = kv
     poisoned[0] = float("nan")  # the padding page
-    got = paged_decode_attention(module, q, poisoned, table, lens, 0.125, 20)
+    got = paged_decode_attention(cpu_kernels_module(), q, poisoned, table, lens, 0.125, 20)
     assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_new_tokens_are_stored_in_their_slots_before_attending(use_kernel: bool) -> None:
-    if use_kernel and module is None:
+    if use_kernel and cpu_kernels_module() is None:
         pytest.skip("kernel needs AVX2 and a C++ compiler")
     q, pool, table, lens = _setup([1, 16, 17, 30], 2, 2, 64, torch.bfloat16, seed=9)
     new_kv = torch.randn(4, 2, 2, 64).bfloat16()
@@ -126,7 +133,7 @@ def test_new_tokens_are_stored_in_their_slots_before_attending(use_kernel: bool)
         stored[int(table[b, (n - 1) // PAGE]), :, (n - 1) % PAGE] = new_kv[b]
     expected = reference_paged_decode_attention(q, stored.clone(), table, lens, 0.125)
     out = paged_decode_attention(
-        module if use_kernel else None, q, pool, table, lens, 0.125, new_kv=new_kv
+        cpu_kernels_module() if use_kernel else None, q, pool, table, lens, 0.125, new_kv=new_kv
     )
     assert torch.equal(pool, stored)
     tol = 1e-2 if use_kernel else 0.0
@@ -137,8 +144,8 @@ def test_new_tokens_are_stored_in_their_slots_before_attending(use_kernel: bool)
 def test_out_of_range_lengths_and_pages_are_rejected() -> None:
     q, pool, table, lens = _setup([5, 9], 1, 2, 64, torch.float32, seed=8)
     with pytest.raises(RuntimeError, match="context length"):
-        paged_decode_attention(module, q, pool, table, torch.tensor([5, 0]), 0.125)
+        paged_decode_attention(cpu_kernels_module(), q, pool, table, torch.tensor([5, 0]), 0.125)
     bad = table.clone()
     bad[1, 0] = pool.shape[0]
     with pytest.raises(RuntimeError, match="outside the pool"):
-        paged_decode_attention(module, q, pool, bad, lens, 0.125)
+        paged_decode_attention(cpu_kernels_module(), q, pool, bad, lens, 0.125)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ext
 from pdserve.kernels.rmsnorm import add_rms_norm_, rms_norm
 
 
@@ -26,19 +27,19 @@ def test_bfloat16_statistics_are_computed_in_float32() -> None:
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 
-kernel = cpu_ext.load()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel needs AVX2 and a C++ compiler")
+needs_kernel = pytest.mark.usefixtures("cpu_kernels")  # skips where the kernels cannot run
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1024), (8, 256), (300, 200), (5, 3)])
-def test_kernel_matches_torch_rms_norm(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+def test_kernel_matches_torch_rms_norm(
+    cpu_kernels: types.ModuleType, dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
     gen = torch.Generator().manual_seed(shape[0] * shape[1])
     x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
     w = torch.randn(shape[1], generator=gen).to(dtype)
-    assert kernel is not None
-    out = kernel.rms_norm(x, w, 1e-5)
+    out = cpu_kernels.rms_norm(x, w, 1e-5)
     expected = F.rms_norm(x, (shape[1],), w, 1e-5)
     assert out.dtype == dtype
     # float32 sums in another order; bf16 may differ by one rounding step at most.
@@ -81,3 +82,19 @@ def test_fused_add_falls_back_to_torch_for_other_dtypes() -> None:
     out = add_rms_norm_(h, x, w, 1e-6)
     assert torch.equal(h, expected_h)
     torch.testing.assert_close(out, F.rms_norm(expected_h, (16,), w, 1e-6))
+
+
+@needs_kernel
+def test_a_row_has_the_same_bits_at_every_row_count() -> None:
+    """Alone, among 3 or 8 decode rows, in a 64-row chunk and a 300-row prompt (where the
+    kernel splits rows between threads): one result per row, fused add included."""
+    torch.manual_seed(0)
+    w, row, delta = torch.randn(576), torch.randn(1, 576), torch.randn(1, 576)
+    alone = rms_norm(row, w, 1e-5)
+    alone_fused = add_rms_norm_(row.clone(), delta, w, 1e-5)
+    for num_rows in (3, 8, 64, 300):
+        at = num_rows // 2
+        batch, deltas = torch.randn(num_rows, 576), torch.randn(num_rows, 576)
+        batch[at], deltas[at] = row[0], delta[0]
+        assert torch.equal(rms_norm(batch, w, 1e-5)[at], alone[0]), num_rows
+        assert torch.equal(add_rms_norm_(batch, deltas, w, 1e-5)[at], alone_fused[0]), num_rows

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.kernels.host_copy import PendingHostSample
-from pdserve.kernels.sampling import _top_p_floor, sample
+from pdserve.kernels.sampling import _top_p_floor, _top_p_floor_sorted, sample
 from pdserve.kernels.sampling_tensors import sampling_tensors_for
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
@@ -97,12 +97,23 @@ def test_host_flags_say_what_the_tensors_say(seed: int) -> None:
     assert t.host_flags() == built
 
 
-def test_fixed_step_bisection_equals_the_early_exit_one() -> None:
+def test_the_sorted_top_p_floor_equals_the_bisection_one(device: str) -> None:
+    """The devices' sort and the CPU's bisection pick the same floor: flat and peaked rows, ties
+    (bf16-rounded logits, a uniform row), the edges of top_p (tiny, exactly a prefix's mass, 1)."""
     gen = torch.Generator().manual_seed(3)
-    for scale in (0.01, 1.0, 20.0):
-        probs = (torch.randn(16, 3000, generator=gen) * scale).softmax(dim=1)
+    for scale in (0.0, 0.01, 1.0, 8.0, 20.0):
+        logits = (torch.randn(16, 3000, generator=gen) * scale).bfloat16().float()
+        probs = logits.softmax(dim=1)
         top_p = torch.rand(16, generator=gen)
-        assert torch.equal(_top_p_floor(probs, top_p, True), _top_p_floor(probs, top_p, False))
+        top_p[:4] = torch.tensor([1e-6, 1.0, 0.5, 0.999999])
+        top_p[4] = probs[4].sort(descending=True).values[:7].double().sum().float()
+        want = _top_p_floor(probs, top_p)
+        got = _top_p_floor_sorted(probs.to(device), top_p.to(device)).cpu()
+        assert torch.equal(got, want), scale
+    dyadic = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25] * 4])  # masses hit top_p exactly
+    for p in (0.5, 0.75, 0.875, 0.25):
+        top_p = torch.full((2,), p)
+        assert torch.equal(_top_p_floor_sorted(dyadic, top_p), _top_p_floor(dyadic, top_p)), p
 
 
 @contextmanager

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.model.forward_batch import decode_batch, decode_values, extend_batch
+from pdserve.model.forward_batch import (
+    ForwardBatch,
+    decode_batch,
+    decode_values,
+    extend_batch,
+    mixed_batch,
+)
 from pdserve.sequence import Sequence
 
 PAGE, SCRATCH = 4, 99
@@ -65,3 +71,23 @@ def test_extend_batch_packs_uncached_tokens_with_their_slots() -> None:
     assert (meta.q_start, meta.num_new, meta.num_cached) == (3, 2, 5)
     assert meta.page_ids.tolist() == [2, 9]
     assert _storage(meta.page_ids) == _storage(batch.input_ids)  # a view, not a copy
+
+
+def test_a_mixed_steps_decode_fields_are_aligned_as_in_a_decode_step_whatever_the_chunk() -> None:
+    """Triton specialises on pointer alignment (16 bytes): a decode part at an odd int64 offset
+    (half the chunk lengths) would compile another variant of the decode kernel in the middle
+    of serving (and inside a timed step)."""
+    rows = [_seq(6, [2, 5]), _seq(3, [7])]
+
+    def aligned(b: ForwardBatch) -> list[bool]:
+        fields = (b.input_ids, b.context_lens, b.page_idx, b.block_table, b.block_table_width)
+        return [f.data_ptr() % 16 == 0 for f in fields]
+
+    want = aligned(decode_batch(rows, PAGE, SCRATCH, CPU))
+    for chunk in (3, 4, 5, 6):  # extend layouts of odd and even lengths
+        batch, _ = mixed_batch([_seq(chunk, [11, 12])], rows, PAGE, SCRATCH, CPU)
+        assert batch.parts is not None
+        dec = batch.parts[1]
+        assert aligned(dec) == want, chunk
+        assert dec.context_lens.tolist() == [6, 3] and dec.block_table_width.tolist() == [2]
+        assert dec.block_table.tolist() == [[2, 5], [7, SCRATCH]]

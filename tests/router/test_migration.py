@@ -115,3 +115,18 @@ def test_which_chat_requests_may_migrate(body, expected):
 )
 def test_which_completion_requests_may_migrate(prompt, expected):
     assert is_migratable("/v1/completions", {"stream": True, "prompt": prompt}) is expected
+
+
+def test_tracker_leaves_token_ids_a_client_asked_for():
+    tracker = StreamTracker(is_chat=False, keep_token_ids=True)
+    tok = {"id": "a", "created": 1, "choices": [{"text": "x", "token_ids": [5]}]}
+    tok["choices"][0]["prompt_token_ids"] = [1, 2]
+    out = orjson.loads(tracker.filter(b"data: " + orjson.dumps(tok) + b"\n\n")[6:])
+    assert out["choices"][0]["token_ids"] == [5] and out["choices"][0]["prompt_token_ids"] == [1, 2]
+    assert tracker.token_ids == [5]
+    tracker.num_migrations = 1  # the next worker's first chunk: the prompt ids went out already
+    out = orjson.loads(tracker.filter(b"data: " + orjson.dumps(tok) + b"\n\n")[6:])
+    assert "prompt_token_ids" not in out["choices"][0] and out["choices"][0]["token_ids"] == [5]
+    plain = StreamTracker(is_chat=False)
+    out = orjson.loads(plain.filter(b"data: " + orjson.dumps(tok) + b"\n\n")[6:])
+    assert "token_ids" not in out["choices"][0] and "prompt_token_ids" not in out["choices"][0]

@@ -215,3 +215,24 @@ async def test_cache_aware_sends_a_shared_prefix_to_the_same_prefill_and_decode(
     other = {**CHAT, "messages": [{"role": "user", "content": "unrelated " * 80}]}
     assert (await post(router, other))[0] == 200
     assert sorted(len(w.requests) for w in prefills) == [0, 1, 6]  # the least loaded
+
+
+async def test_prompt_scoring_goes_to_one_decode_that_prefills_it(make_worker, make_router):
+    # echo+logprobs (lm-eval's loglikelihood) needs the prompt's logits: no PD leg pair.
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    router = await make_router(prefill_urls=(prefill.url,), decode_urls=(decode.url,))
+    scoring = {
+        "model": "fake-model",
+        "prompt": [1, 2, 3],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 1,
+    }
+    status, raw = await post(router, {**scoring, "stream": False}, path="/v1/completions")
+    assert status == 200, raw
+    assert prefill.requests == []
+    assert [("kv_transfer_params" in r.body) for r in decode.requests] == [False]
+    assert router.stats.num_scoring_on_decode == 1
+    status, _ = await post(router, {**CHAT, "stream": False})  # the rest still goes PD
+    assert status == 200 and len(prefill.requests) == 1
+    assert router.stats.num_decode_fallbacks == 0

@@ -38,22 +38,24 @@ def emit(obj: dict[str, Any]) -> None:
 
 
 def digest(pool: KVPagePool, pages: list[int]) -> str:
-    data = pool.kv[torch.tensor(pages, dtype=torch.long)].contiguous().view(torch.int16)
+    index = torch.tensor(pages, dtype=torch.long, device=pool.kv.device)
+    data = pool.kv[index].contiguous().cpu().view(torch.int16)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
 def fill(pool: KVPagePool, pages: list[int], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     shape = (len(pages), *pool.kv.shape[1:])
-    pool.kv[torch.tensor(pages, dtype=torch.long)] = torch.randn(shape, generator=gen).to(
-        pool.kv.dtype
-    )
+    index = torch.tensor(pages, dtype=torch.long, device=pool.kv.device)
+    pool.kv[index] = torch.randn(shape, generator=gen).to(pool.kv.dtype).to(pool.kv.device)
+    if pool.kv.device.type == "cuda":
+        torch.cuda.synchronize(pool.kv.device)  # written before the transport reads them
 
 
 class Driver:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.pool = KVPagePool(KVCacheConfig(num_pages=args.num_pages, **KV))
+        self.pool = KVPagePool(KVCacheConfig(num_pages=args.num_pages, **KV), device=args.device)
         self.alloc = PageAllocator(args.num_pages)
         deadlines = RoomDeadlines(*(float(x) for x in args.deadlines.split(",")))
         faults = FaultPlan(delay_s=args.delay) if args.delay > 0 else None
@@ -210,6 +212,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine-id", required=True)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--num-pages", type=int, default=256)
+    p.add_argument("--device", default="cpu", help="where the KV pool lives: cpu or cuda[:N]")
     p.add_argument("--hb", type=float, default=0.2)
     p.add_argument("--quarantine", type=float, default=0.5)
     p.add_argument("--connect-timeout", type=float, default=0.5)

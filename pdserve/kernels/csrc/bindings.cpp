@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("pack", &pdserve::pack, no_gil);
   m.def("linear", &pdserve::linear, no_gil);
+  m.def("quant_pack", &pdserve::quant_pack, no_gil);
+  m.def("quant_linear", &pdserve::quant_linear, no_gil);
   m.def("paged_attention", &pdserve::paged_attention, no_gil);
   m.def("rope_", &pdserve::rope_, no_gil);
   m.def("silu_mul", &pdserve::silu_mul, no_gil);

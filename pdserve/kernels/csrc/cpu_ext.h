@@ -100,6 +100,15 @@ inline __m256 exp8(__m256 x) {
 at::Tensor pack(const at::Tensor& w);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                   const std::optional<at::Tensor>& bias, c10::ScalarType out_dtype);
+// An uninitialised tensor in 2 MiB-aligned memory advised to use transparent huge pages.
+at::Tensor empty_in_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+// quant_pack.cpp / quant_gemm.cpp: GGUF blocks (N, bytes_per_row) of a GGML type -> packed
+// panels; float32 (M, K) rows times parts of packed weights stacked along N -> float32.
+at::Tensor quant_pack(const at::Tensor& data, int64_t type, int64_t K);
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                        const std::vector<int64_t>& types, const std::vector<int64_t>& ns,
+                        const std::optional<at::Tensor>& bias);
 
 // paged_attention.cpp: query rows (decode tokens or prompt chunks) against their sequences'
 // pages of one layer's pool.

@@ -226,6 +226,8 @@ void run(const std::vector<RowGroup>& groups, int64_t K, const W* wp, int64_t N,
     run_block(groups.data() + g, std::min(kGroupsPerBlock, groups.size() - g), K, wp, N, bias, y);
 }
 
+}  // namespace
+
 // An uninitialised tensor in memory of its own, 2 MiB aligned and advised to be backed by
 // transparent huge pages (a hint: the kernel falls back to 4 KiB pages). Plain torch memory
 // when mmap fails.
@@ -245,8 +247,6 @@ at::Tensor empty_in_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& o
   madvise(start, kept, MADV_HUGEPAGE);
   return at::from_blob(start, sizes, [kept](void* p) { munmap(p, kept); }, options);
 }
-
-}  // namespace
 
 // (N, K) bf16 -> (ceil(N/16), K, 16) bf16, zero-padded columns, each row of 16 interleaved as
 // (0, 8, 1, 9, ..., 7, 15); (N, K) float32 -> (ceil(N/16), K, 16) float32 in column order.

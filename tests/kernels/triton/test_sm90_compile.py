@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 600
 
 
-def test_kernels_compile_to_cubin_for_sm90(tmp_path: Path) -> None:
+def test_kernels_compile_to_cubin_for_sm90(tmp_path: Path, device: str) -> None:
+    if device != "cpu":  # the conftest parametrises by device; a GPU runs the kernels themselves
+        pytest.skip("a compile check for machines without a GPU")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
