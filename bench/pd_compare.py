@@ -2,6 +2,8 @@
 
     python bench/pd_compare.py --config small --concurrency 1,8 --num-requests 16
     python bench/pd_compare.py ... --vllm-python /path/to/venv/bin/python  # adds vLLM
+    python bench/pd_compare.py --config smollm2 --deployments pd,colocated \\
+        --llamacpp ~/.cache/pdserve/models/SmolLM2-135M-Instruct.Q4_1.gguf,Q8_0,BF16
 
 For each deployment (the PD cluster: router + prefill + decode; one colocated worker) it runs
 bench/serving.py's load (exact 128-token prompts, 128 output tokens, ignore_eos) at each
@@ -11,6 +13,10 @@ with ratios, and the vLLM CPU anchor figures from issue 4 for reference (measure
 With ``--vllm-python`` (an environment where vLLM is installed, see bench/vllm_ref.py) vLLM
 serves the same checkpoint and load in the same run, and every row gets its ratio to it: the
 fair comparison on a shared machine whose speed drifts with its neighbours' load.
+With ``--llamacpp`` llama.cpp's ``llama-server`` (bench/llamacpp_ref.py, built once) serves each
+listed GGUF under the same load: a path, or BF16 / Q8_0 for llama.cpp's own conversion of the
+checkpoint pdserve serves. Config ``smollm2`` is SmolLM2-135M-Instruct (bench/real_model.py):
+pdserve serves the bf16 HF directory made from the shipped Q4_1 GGUF.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import llamacpp_ref, real_model  # noqa: E402
 from bench.cluster import Cluster, ClusterSpec, ManagedProc, free_port  # noqa: E402
 from bench.serving import BenchConfig, run_benchmark  # noqa: E402
 from bench.vllm_ref import VllmServer  # noqa: E402
@@ -47,6 +54,7 @@ SHAPES = {
 # vLLM 0.32 CPU build, tuned, colocated, 128 in / 128 out, on these machines (issue 4).
 VLLM_ANCHOR_TOK_S = {("tiny", 1): "240-310", ("tiny", 8): "980-1220",
                      ("small", 1): "41-50", ("small", 8): "224-233"}  # fmt: skip
+LLAMACPP_PREFIX = "llamacpp-"  # + the GGUF's weight type: one deployment per file
 PERF_ARGS = ("--kv-cache-mb", "256", "--heartbeat-interval", "1.0")
 
 
@@ -55,6 +63,8 @@ def checkpoint(name: str, root: Path, model_dir: str | None = None) -> Path:
         return Path(model_dir)
     if name == "demo":
         return ensure_demo_model()
+    if name == "smollm2":
+        return real_model.ensure_hf_dir(real_model.ensure_gguf())
     return write_demo_model(root / name, SHAPES[name])
 
 
@@ -68,11 +78,14 @@ def shared_lease_args() -> tuple[str, ...]:
     return ("--cpu-lease", str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "lease"))
 
 
-async def serve_load(url: str, model_dir: Path, args: argparse.Namespace, conc: int) -> dict:
+async def serve_load(
+    url: str, model_dir: Path, args: argparse.Namespace, conc: int, is_closing: bool = False
+) -> dict:
     cfg = BenchConfig(
         base_url=url, model="bench", endpoint="completions", input_len=args.input_len,
         output_len=args.output_len, num_requests=max(args.num_requests, conc), concurrency=conc,
         tokenizer=str(model_dir), is_progress_shown=False, num_warmup=2,
+        is_connection_closed=is_closing,
     )  # fmt: skip
     return await run_benchmark(cfg)
 
@@ -114,6 +127,31 @@ async def bench_vllm(model_dir: Path, args: argparse.Namespace) -> dict[int, dic
         return {c: await serve_load(server.url, model_dir, args, c) for c in args.conc}
 
 
+def llamacpp_ggufs(spec: str, model_dir: Path, tree: llamacpp_ref.LlamaCppTree) -> list[Path]:
+    """``--llamacpp``'s comma list as files: paths as given; BF16 and Q8_0 converted from the
+    checkpoint pdserve serves (cached beside it)."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        is_type = item.upper() in ("BF16", "Q8_0")
+        out.append(
+            llamacpp_ref.write_gguf(tree, model_dir, item.upper()) if is_type else Path(item)
+        )
+    return out
+
+
+async def bench_llamacpp(
+    tree: llamacpp_ref.LlamaCppTree, gguf: Path, model_dir: Path, args: argparse.Namespace
+) -> dict[int, dict]:
+    """llama-server on ``gguf``; the client tokenizes with ``model_dir``'s tokenizer, as for
+    pdserve, so both get the same prompts."""
+    server = llamacpp_ref.LlamaServer(tree.server, gguf, free_port(),
+                                      num_threads=args.llamacpp_threads)  # fmt: skip
+    print(f"llama.cpp: serving {gguf} ({server.log_path})", flush=True)
+    async with server:
+        # One connection per request (llama-server drops reused ones; see BenchConfig).
+        return {c: await serve_load(server.url, model_dir, args, c, True) for c in args.conc}
+
+
 def bench_transformers(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
     """`model.generate` on batches of `concurrency` prompts: the plain-loop baseline."""
     import torch
@@ -153,18 +191,23 @@ def summary_metric(summary: dict | None, *path: str) -> float | None:
     return float(value)
 
 
+def deployment_order(results: dict[str, dict[int, dict]]) -> list[str]:
+    """pdserve's deployments, then the references (vLLM, each llama.cpp file, transformers)."""
+    llama = [d for d in results if d.startswith(LLAMACPP_PREFIX)]
+    return [d for d in ("pd", "colocated", "vllm", *llama, "transformers") if d in results]
+
+
 def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> list[dict]:
     rows = []
     print(f"\n== {name}: {conc} concurrency, tok/s = output tokens per second ==")
-    print(f"{'deployment':<14}{'conc':>5}{'tok/s':>10}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
-          f"{'x colocated':>13}{'x transformers':>16}{'x vLLM':>8}{'vLLM anchor':>13}")  # fmt: skip
+    print(f"{'deployment':<16}{'conc':>5}{'tok/s':>10}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
+          f"{'failed':>8}{'x colocated':>13}{'x transformers':>16}{'x vLLM':>8}"
+          f"{'vLLM anchor':>13}")  # fmt: skip
     for c in conc:
         base = summary_metric(results.get("colocated", {}).get(c, {}), "output_throughput")
         hf = summary_metric(results.get("transformers", {}).get(c, {}), "output_throughput")
         ref = summary_metric(results.get("vllm", {}).get(c, {}), "output_throughput")
-        for dep in ("pd", "colocated", "vllm", "transformers"):
-            if dep not in results:
-                continue
+        for dep in deployment_order(results):
             s = results[dep][c]
             tps = summary_metric(s, "output_throughput") or 0.0
             row = {"config": name, "deployment": dep, "concurrency": c, "tok_s": tps,
@@ -173,10 +216,12 @@ def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> l
                    "x_colocated": tps / base if base else None,
                    "x_transformers": tps / hf if hf else None,
                    "x_vllm": tps / ref if ref else None,
-                   "errors": s.get("num_errors", 0)}  # fmt: skip
+                   "errors": s.get("num_errors", 0),
+                   "num_requests": s.get("num_requests", 0)}  # fmt: skip
             rows.append(row)
-            print(f"{dep:<14}{c:>5}{tps:>10.1f}{row['ttft_p50_ms'] or 0:>13.1f}"
-                  f"{row['tpot_p50_ms'] or 0:>13.2f}{row['x_colocated'] or 0:>13.2f}"
+            print(f"{dep:<16}{c:>5}{tps:>10.1f}{row['ttft_p50_ms'] or 0:>13.1f}"
+                  f"{row['tpot_p50_ms'] or 0:>13.2f}{row['errors']:>8}"
+                  f"{row['x_colocated'] or 0:>13.2f}"
                   f"{row['x_transformers'] or 0:>16.2f}{row['x_vllm'] or 0:>8.2f}"
                   f"{VLLM_ANCHOR_TOK_S.get((name, c), '-'):>13}")  # fmt: skip
     return rows
@@ -194,6 +239,12 @@ async def run_all(args: argparse.Namespace) -> list[dict]:
                 results["colocated"] = await bench_colocated(model_dir, args)
             if args.vllm_python:
                 results["vllm"] = await bench_vllm(model_dir, args)
+            if args.llamacpp:
+                tree = await asyncio.to_thread(llamacpp_ref.ensure_build)
+                ggufs = await asyncio.to_thread(llamacpp_ggufs, args.llamacpp, model_dir, tree)
+                for gguf in ggufs:
+                    key = LLAMACPP_PREFIX + llamacpp_ref.gguf_label(gguf)
+                    results[key] = await bench_llamacpp(tree, gguf, model_dir, args)
             if "transformers" in args.deps:
                 results["transformers"] = await asyncio.to_thread(
                     bench_transformers, model_dir, args
@@ -202,9 +253,24 @@ async def run_all(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def ratio_lines(rows: list[dict], prefix: str) -> list[str]:
+    """pdserve's throughput over each reference deployment's (``prefix``...), per concurrency."""
+    tok_s = {(r["config"], r["deployment"], r["concurrency"]): r["tok_s"] for r in rows}
+    lines = []
+    for config, ref, conc in sorted(k for k in tok_s if k[1].startswith(prefix)):
+        for dep in ("pd", "colocated"):
+            mine = tok_s.get((config, dep, conc))
+            if mine is not None and tok_s[(config, ref, conc)]:
+                ratio = mine / tok_s[(config, ref, conc)]
+                lines.append(f"{config} c{conc}: {dep} / {ref} throughput, same run: {ratio:.2f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="tiny,small", help="comma list of tiny, small, demo")
+    p.add_argument(
+        "--config", default="tiny,small", help="comma list of tiny, small, demo, smollm2"
+    )
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
@@ -226,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm-python", default=None,
         help="python of an environment with vLLM: serve the same load with it too",
     )  # fmt: skip
+    p.add_argument(
+        "--llamacpp", default=None, metavar="GGUF[,GGUF...]",
+        help="llama-server on each GGUF too: a path, or BF16 / Q8_0 made from the checkpoint",
+    )  # fmt: skip
+    p.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t")
     args = p.parse_args(argv)
     args.deps = args.deployments.split(",")
     args.configs = args.config.split(",")
@@ -233,7 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_async(run_all(args))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
-    errors = sum(r["errors"] or 0 for r in rows)
+    # Exit status: pdserve's (and vLLM's) failures; llama.cpp's are reported, as the issue's
+    # table does ("1 of 32": llama-server drops a connection now and then).
+    is_llama = [r["deployment"].startswith(LLAMACPP_PREFIX) for r in rows]
+    errors = sum(r["errors"] or 0 for r, skip in zip(rows, is_llama, strict=True) if not skip)
+    for dep in sorted({r["deployment"] for r, keep in zip(rows, is_llama, strict=True) if keep}):
+        failed = sum(r["errors"] or 0 for r in rows if r["deployment"] == dep)
+        total = sum(r["num_requests"] for r in rows if r["deployment"] == dep)
+        print(f"{dep}: {failed} of {total} requests failed")
     pd_ratio = statistics.median(
         [r["x_colocated"] or 0 for r in rows if r["deployment"] == "pd"] or [0.0]
     )
@@ -242,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         vs = [r["x_vllm"] for r in rows if r["deployment"] == dep and r["x_vllm"]]
         if vs:
             print(f"{dep} / vLLM throughput, same run: " + ", ".join(f"{v:.2f}" for v in vs))
+    for line in ratio_lines(rows, LLAMACPP_PREFIX):
+        print(line)
     return 1 if errors else 0
 
 

@@ -59,6 +59,10 @@ class BenchConfig:
     json_out: str | None = None
     png_out: str | None = None
     is_progress_shown: bool = True
+    # A new connection per request, as vLLM's `bench serve` client opens one: llama-server
+    # drops a kept-alive connection that follows a streamed response ("Can not write request
+    # body" on the next request).
+    is_connection_closed: bool = False
 
 
 @dataclass
@@ -227,7 +231,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.endpoint not in ("chat", "completions"):
         raise ValueError("endpoint must be 'chat' or 'completions'")
     prompts = make_prompts(cfg)
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=cfg.is_connection_closed)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(cfg.num_warmup):
             warm = await send_request(session, cfg, prompts[0])

@@ -1,0 +1,237 @@
+"""bench/llamacpp_ref.py builds llama.cpp once into its cache and reuses the build, converts
+checkpoints to GGUF once, and runs llama-server with issue 21's settings; bench/pd_compare.py
+puts each ``--llamacpp`` file beside pdserve. No build here: the commands are recorded by a
+stand-in runner that leaves what the real ones would, and a stand-in script plays llama-server."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import orjson
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import llamacpp_ref, pd_compare  # noqa: E402
+from bench.cluster import free_port  # noqa: E402
+from bench.llamacpp_ref import LlamaCppTree, LlamaServer, ensure_build, write_gguf  # noqa: E402
+
+
+class FakeToolchain:
+    """Records commands; a `cmake --build` leaves the two binaries, a conversion its output."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[str]] = []
+        self.fetched: list[str] = []
+
+    def fetch(self, version: str, dest: Path) -> None:
+        self.fetched.append(version)
+        dest.mkdir(parents=True)
+        (dest / "CMakeLists.txt").write_text("project(llama.cpp)\n")
+
+    def run(self, argv: Sequence[str], cwd: Path) -> None:
+        argv = list(argv)
+        self.commands.append(argv)
+        if "--build" in argv:
+            bin_dir = Path(argv[argv.index("--build") + 1]) / "bin"
+            bin_dir.mkdir(parents=True, exist_ok=True)
+            for name in llamacpp_ref.TARGETS:
+                (bin_dir / name).write_text("#!/bin/sh\n")
+        elif "--outfile" in argv:
+            Path(argv[argv.index("--outfile") + 1]).write_bytes(b"GGUF bf16")
+        elif argv[-1] == "Q8_0":
+            Path(argv[-2]).write_bytes(b"GGUF q8_0")
+
+
+def test_build_fetches_configures_and_builds_niced_then_a_second_call_reuses_it(
+    tmp_path: Path,
+) -> None:
+    tools = FakeToolchain()
+    tree = ensure_build("9.9.9", tmp_path, run=tools.run, fetch=tools.fetch)
+    assert tree.root == tmp_path / "9.9.9" and tools.fetched == ["9.9.9"]
+    configure, build = tools.commands
+    assert configure[:3] == ["nice", "-n", "19"] and build[:3] == ["nice", "-n", "19"]
+    assert "-DGGML_NATIVE=ON" in configure and "-DLLAMA_OPENSSL=OFF" in configure
+    assert configure[configure.index("-S") + 1] == str(tree.src)
+    assert build[build.index("-j") + 1] == "2"
+    assert build[build.index("--target") + 1 :] == ["llama-server", "llama-quantize"]
+    assert tree.is_built()
+
+    again = FakeToolchain()
+    assert ensure_build("9.9.9", tmp_path, run=again.run, fetch=again.fetch) == tree
+    assert again.commands == [] and again.fetched == []
+
+
+def test_a_build_without_its_stamp_is_rebuilt_on_the_source_already_there(
+    tmp_path: Path,
+) -> None:
+    tools = FakeToolchain()
+    tree = ensure_build("9.9.9", tmp_path, run=tools.run, fetch=tools.fetch)
+    tree.stamp.unlink()  # as after a build interrupted between the binaries and the stamp
+    again = FakeToolchain()
+    ensure_build("9.9.9", tmp_path, run=again.run, fetch=again.fetch)
+    assert again.fetched == [] and len(again.commands) == 2
+    assert tree.is_built()
+
+
+def test_a_build_made_by_other_commands_is_not_reused(tmp_path: Path) -> None:
+    tools = FakeToolchain()
+    tree = ensure_build("9.9.9", tmp_path, run=tools.run, fetch=tools.fetch)
+    tree.stamp.write_text(orjson.dumps({"commands": [["cmake", "-DGGML_NATIVE=OFF"]]}).decode())
+    assert not tree.is_built()
+    again = FakeToolchain()
+    ensure_build("9.9.9", tmp_path, run=again.run, fetch=again.fetch)
+    assert len(again.commands) == 2 and tree.is_built()
+
+
+def test_q8_0_is_quantized_from_the_bf16_conversion_and_both_are_cached(tmp_path: Path) -> None:
+    tree = LlamaCppTree(tmp_path / "llamacpp")
+    hf_dir = tmp_path / "models" / "smol-hf"
+    hf_dir.mkdir(parents=True)
+    tools = FakeToolchain()
+    q8 = write_gguf(tree, hf_dir, "Q8_0", run=tools.run)
+    convert, quantize = tools.commands
+    assert convert[3:5] == [sys.executable, str(tree.convert_script)]
+    assert convert[convert.index("--outtype") + 1] == "bf16"
+    assert quantize[3:] == [str(tree.quantize), str(hf_dir.parent / "smol-hf.BF16.gguf"),
+                            str(q8) + ".part", "Q8_0"]  # fmt: skip
+    assert q8 == hf_dir.parent / "smol-hf.Q8_0.gguf" and q8.read_bytes() == b"GGUF q8_0"
+    again = FakeToolchain()
+    assert write_gguf(tree, hf_dir, "Q8_0", run=again.run) == q8
+    assert write_gguf(tree, hf_dir, "BF16", run=again.run).read_bytes() == b"GGUF bf16"
+    assert again.commands == []
+    with pytest.raises(ValueError, match="Q4_K"):
+        write_gguf(tree, hf_dir, "Q4_K", run=again.run)
+
+
+def test_only_the_vendored_llama_cpp_is_taken_from_the_sdist(tmp_path: Path) -> None:
+    sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, data in [("llama_cpp_python-9.9.9/vendor/llama.cpp/CMakeLists.txt", b"cmake"),
+                           ("llama_cpp_python-9.9.9/vendor/llama.cpp/tools/server/a.cpp", b"c"),
+                           ("llama_cpp_python-9.9.9/llama_cpp/llama.py", b"python")]:  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    llamacpp_ref.extract_source(sdist, "9.9.9", tmp_path / "src")
+    found = sorted(str(p.relative_to(tmp_path / "src")) for p in (tmp_path / "src").rglob("*.*"))
+    assert found == ["CMakeLists.txt", "tools/server/a.cpp"]
+    with pytest.raises(RuntimeError, match="vendor/llama.cpp"):
+        llamacpp_ref.extract_source(sdist, "1.0.0", tmp_path / "other")
+
+
+STAND_IN = """#!{python}
+import json, os, sys
+from aiohttp import web
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with open({record!r}, "w") as f:
+    json.dump(sys.argv, f)
+async def health(request):
+    return web.json_response({{"status": "ok"}})
+app = web.Application()
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=port, print=None)
+"""
+
+
+async def test_llama_server_runs_with_the_issues_settings_and_is_stopped(tmp_path: Path) -> None:
+    record = tmp_path / "argv.json"
+    binary = tmp_path / "llama-server"
+    binary.write_text(STAND_IN.format(python=sys.executable, record=str(record)))
+    binary.chmod(0o755)
+    server = LlamaServer(binary, tmp_path / "m.Q4_1.gguf", free_port())
+    async with server:
+        assert server.popen is not None and server.popen.poll() is None
+        argv = orjson.loads(record.read_bytes())
+    assert server.popen.poll() is not None  # stopped with its process group
+    flags = dict(zip(argv[1::2], argv[2::2], strict=False))
+    assert flags["-m"] == str(tmp_path / "m.Q4_1.gguf")
+    assert (flags["-np"], flags["-c"], flags["-t"]) == ("8", "8192", "2")
+    assert flags["--host"] == "127.0.0.1" and flags["--alias"] == "bench"
+    assert "--no-cache-prompt" in argv  # pd_compare repeats its prompts: no reuse
+    assert argv[argv.index("--cache-ram") + 1] == "0"
+
+
+async def test_llama_server_that_exits_fails_fast_with_its_log(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\necho 'failed to load model' >&2\nexit 1\n")
+    binary.chmod(0o755)
+    server = LlamaServer(binary, tmp_path / "missing.gguf", free_port())
+    with pytest.raises(RuntimeError, match=r"llama-server exited \(1\)"):
+        async with server:
+            pass
+    assert "failed to load model" in server.log_path.read_text()
+
+
+def test_gguf_label_is_the_weight_type_in_the_file_name() -> None:
+    assert llamacpp_ref.gguf_label(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "Q4_1"
+    assert llamacpp_ref.gguf_label(Path("x/smol-hf.BF16.gguf")) == "BF16"
+    assert llamacpp_ref.gguf_label(Path("model.gguf")) == "model"
+
+
+def parse_pd_compare(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    """The namespace pd_compare.main hands to run_all for ``argv``."""
+    seen: list[argparse.Namespace] = []
+
+    async def fake_run_all(args: argparse.Namespace) -> list[dict]:
+        seen.append(args)
+        return []
+
+    monkeypatch.setattr(pd_compare, "run_all", fake_run_all)
+    assert pd_compare.main(argv) == 0
+    return seen[0]
+
+
+def test_pd_compare_passes_the_llamacpp_files_and_threads_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = parse_pd_compare(
+        ["--config", "smollm2", "--llamacpp", "/m/a.Q4_1.gguf,Q8_0", "--llamacpp-threads", "1"],
+        monkeypatch,
+    )
+    assert (args.configs, args.llamacpp, args.llamacpp_threads) == (
+        ["smollm2"], "/m/a.Q4_1.gguf,Q8_0", 1,
+    )  # fmt: skip
+    assert parse_pd_compare([], monkeypatch).llamacpp is None  # off unless asked
+
+
+async def test_pd_compare_serves_each_llamacpp_file_beside_pdserve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = LlamaCppTree(tmp_path / "llamacpp")
+    hf_dir = tmp_path / "hf"
+    monkeypatch.setattr(llamacpp_ref, "run_command", FakeToolchain().run)
+    monkeypatch.setattr(llamacpp_ref, "ensure_build", lambda: tree)
+    served: list[Path] = []
+
+    async def fake_bench(tree_: LlamaCppTree, gguf: Path, model_dir: Path, a: object) -> dict:
+        assert tree_ == tree and model_dir == hf_dir  # the client tokenizes with pdserve's
+        served.append(gguf)
+        return {1: {"output_throughput": 10.0, "num_errors": 1, "num_requests": 16}}
+
+    monkeypatch.setattr(pd_compare, "bench_llamacpp", fake_bench)
+    args = argparse.Namespace(
+        deps=[], configs=["smollm2"], conc=[1], model_dir=str(hf_dir), vllm_python=None,
+        llamacpp="/m/a.Q4_1.gguf,Q8_0,bf16",
+    )  # fmt: skip
+    rows = await pd_compare.run_all(args)
+    assert served == [Path("/m/a.Q4_1.gguf"), tmp_path / "hf.Q8_0.gguf", tmp_path / "hf.BF16.gguf"]
+    assert [r["deployment"] for r in rows] == ["llamacpp-Q4_1", "llamacpp-Q8_0", "llamacpp-BF16"]
+    assert all(r["errors"] == 1 and r["num_requests"] == 16 for r in rows)
+
+
+def test_ratio_lines_compare_pdserve_with_each_llamacpp_file_of_the_same_run() -> None:
+    def row(dep: str, conc: int, tok_s: float) -> dict:
+        return {"config": "smollm2", "deployment": dep, "concurrency": conc, "tok_s": tok_s}
+
+    rows = [row("pd", 8, 150.0), row("colocated", 8, 120.0), row("llamacpp-Q4_1", 8, 100.0)]
+    assert pd_compare.ratio_lines(rows, pd_compare.LLAMACPP_PREFIX) == [
+        "smollm2 c8: pd / llamacpp-Q4_1 throughput, same run: 1.50",
+        "smollm2 c8: colocated / llamacpp-Q4_1 throughput, same run: 1.20",
+    ]
