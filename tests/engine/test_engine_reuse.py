@@ -90,7 +90,9 @@ async def test_chunked_and_whole_prefill_give_the_same_greedy_tokens(served_runn
     assert got[0] == got[1] == got[2]
 
 
-async def test_concurrent_requests_share_cached_pages_and_give_them_back(served_runner: ModelRunner):
+async def test_concurrent_requests_share_cached_pages_and_give_them_back(
+    served_runner: ModelRunner,
+):
     engine = await started(served_runner, max_prefill_tokens=8)
     try:
         base = list(range(30, 54))
