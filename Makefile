@@ -1,4 +1,4 @@
-# Two entry points: `make serve` (local PD cluster on the demo model) and `make test`.
+# Two entry points: `make serve` (local PD cluster on the default model) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +16,10 @@ $(STAMP): setup.cfg pyproject.toml $(wildcard pdserve/kernels/csrc/*.cpp pdserve
 	$(BIN)/python -m pdserve.kernels.cpu_gemm
 	touch $(STAMP)
 
+# The default model (SmolLM2-135M-Instruct, a 98 MB GGUF) is fetched once into ~/.cache/pdserve/models;
+# offline, the install still succeeds and `make serve` falls back to the demo model, saying why.
 install: $(STAMP)
+	@$(BIN)/pdserve fetch-model || echo "make install: no default model fetched (see above); make serve will serve the demo model"
 
 serve: install
 	$(BIN)/pdserve up

@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "up": _up,
         "generate": _generate,
         "make-demo-model": _make_demo,
+        "fetch-model": _fetch_model,
     }
     if not argv or argv[0] not in commands:
         print(f"usage: pdserve {{{','.join(commands)}}} [--help]", file=sys.stderr)
@@ -220,6 +221,12 @@ def _make_demo(argv: list[str]) -> int:
     from pdserve.model.demo import main as demo_main
 
     return demo_main(argv)
+
+
+def _fetch_model(argv: list[str]) -> int:
+    from pdserve.model.fetch import main as fetch_main
+
+    return fetch_main(argv)
 
 
 if __name__ == "__main__":

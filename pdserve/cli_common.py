@@ -23,7 +23,11 @@ UNSERVABLE = (ModelDirError, UnsupportedDtypeError)
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The flags of every command that serves a model (serve, up)."""
-    p.add_argument("--model", default=None, help="HF-format model dir (default: built-in demo)")
+    p.add_argument(
+        "--model", default=None,
+        help="HF-format model dir, or a GGUF file (or a dir holding one); default: "
+        "SmolLM2-135M-Instruct fetched by `pdserve fetch-model`, else the built-in demo",
+    )  # fmt: skip
     p.add_argument("--served-model-name", default=None)
     add_runner_args(p)
     p.add_argument(
@@ -130,15 +134,19 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """The given model dir, else $PDSERVE_MODEL, else the built-in demo (created on first use)."""
+    """The given model (dir or GGUF file), else $PDSERVE_MODEL, else the fetched default model,
+    else the built-in demo (created on first use)."""
     model = model or read_env().model_dir
     if model:
         return Path(model)
-    from pdserve.model.demo import default_demo_dir, ensure_demo_model
+    from pdserve.model.fetch import default_model_or_demo
 
-    return ensure_demo_model(default_demo_dir())
+    return default_model_or_demo()
 
 
 def served_model_name(given: str | None, model_dir: str) -> str:
-    """``--served-model-name``, else the model directory's name (the demo's: ``demo-model``)."""
-    return given or Path(model_dir).name
+    """``--served-model-name``, else the model directory's name (the demo's: ``demo-model``),
+    or a GGUF file's without its quantization (``SmolLM2-135M-Instruct``)."""
+    from pdserve.model.checkpoint import default_served_name
+
+    return given or default_served_name(model_dir)

@@ -2,7 +2,7 @@
 
 ``pdserve generate --model DIR --prompt TEXT [--prompt-ids 1,2,3] --max-tokens N
 [--temperature T --seed S] [--json]``, plus the runner flags of ``pdserve serve`` (``--dtype``,
-``--kv-cache-mb``, ...). Without ``--model`` the built-in demo model is used.
+``--kv-cache-mb``, ...). Without ``--model``: the fetched default model, else the demo model.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pdserve.sampling_params import SamplingParams
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve generate", description=__doc__)
-    p.add_argument("--model", help="HF model directory (default: the built-in demo model)")
+    p.add_argument("--model", help="HF model dir or GGUF file (default: as `pdserve serve`)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated ids")
     p.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")

@@ -36,13 +36,18 @@ from pdserve.kv_sizing import (
     sizing_lock,
     warm_up_sequences,
 )
+from pdserve.model.checkpoint import (
+    declared_dtype,
+    is_block_quantized,
+    load_model_config,
+    load_model_weights,
+    load_tokenizer,
+)
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
 from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel, activation_dtype
-from pdserve.model.loader import load_weights, stored_dtype
-from pdserve.model.tokenizer import Tokenizer
 from pdserve.runner_config import RunnerConfig
 from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
@@ -97,18 +102,23 @@ class ModelRunner:
         bind_device(self.device)  # warm-up and graph capture run on this thread
         if config.num_threads and is_cpu(self.device):
             torch.set_num_threads(config.num_threads)
-        self.model_config = ModelConfig.from_dir(config.model_dir)
-        declared = self.model_config.checkpoint_dtype or stored_dtype(config.model_dir)
+        self.model_config = load_model_config(config.model_dir)
+        declared = declared_dtype(config.model_dir, self.model_config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, declared)
         self.act_dtype = activation_dtype(self.dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.act_dtype)
-        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        # "auto": the weights' dtype; a block-quantized GGUF's KV is bf16 (its dense float32
+        # parts are a loading choice, not the precision it was made for).
+        stored = self.dtype
+        if is_block_quantized(config.model_dir, self.model_config) and is_cpu(self.device):
+            stored = torch.bfloat16
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, stored, self.act_dtype)
+        self.tokenizer = load_tokenizer(config.model_dir)
         mc = self.model_config
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.
         memory = self._memory_to_size_from()
         self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
-        weights = load_weights(config.model_dir, mc, self.dtype, str(self.device))
+        weights = load_model_weights(config.model_dir, mc, self.dtype, str(self.device))
         self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, str(self.device))
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
@@ -126,13 +136,19 @@ class ModelRunner:
         if memory is not None:
             self._sizing_lock.close()  # the pool and the graphs are allocated: the next worker
         logger.info(
-            "runner ready: %s, %s on %s, %d KV pages x %d tokens (%.1f MiB), max_model_len %d, "
-            "%s attention, %s decode",
-            mc.architecture, self.dtype, self.device, self.kv_config.num_pages,
+            "runner ready: %s, %s on %s, weights %.1f MiB, %d KV pages x %d tokens (%.1f MiB), "
+            "max_model_len %d, %s attention, %s decode",
+            mc.architecture, self.dtype, self.device, self.weights_bytes / 2**20,
+            self.kv_config.num_pages,
             self.kv_config.page_size,
             self.kv_config.num_pages * self.kv_config.page_bytes / 2**20, self.max_model_len,
             self.attn_backend.name, "graph" if self.graph_runner else "eager",
         )  # fmt: skip
+
+    @property
+    def weights_bytes(self) -> int:
+        """Memory the weights occupy as they run (quantized projections at their packed size)."""
+        return self.model.num_weight_bytes
 
     def _build_pool(self) -> None:
         """The page pool of ``kv_config`` and the attention backend over it."""

@@ -378,7 +378,7 @@ def test_the_cuda_sizing_path_fills_the_share_and_serves_the_same_tokens(
     reference = ModelRunner(dataclasses.replace(cfg, num_pages=128))
     fake = FakeCudaMemory(monkeypatch)
     monkeypatch.setattr(model_runner, "is_cpu", lambda device: False)  # take the CUDA branches
-    loaded = model_runner.load_weights
+    loaded = model_runner.load_model_weights
 
     def load_weights(*args: object, **kwargs: object) -> object:
         fake.allocated += 1 << 30
@@ -390,7 +390,7 @@ def test_the_cuda_sizing_path_fills_the_share_and_serves_the_same_tokens(
         original_warm_up(self)
 
     original_warm_up = ModelRunner._warm_up_largest_step
-    monkeypatch.setattr(model_runner, "load_weights", load_weights)
+    monkeypatch.setattr(model_runner, "load_model_weights", load_weights)
     monkeypatch.setattr(ModelRunner, "_warm_up_largest_step", warm_up)
     # The warm-up pool's bytes are counted as allocated once it exists.
     pool_cls = model_runner.KVPagePool

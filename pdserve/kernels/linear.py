@@ -10,7 +10,7 @@ Elsewhere (CUDA, or no compiler) torch's ``F.linear`` runs in the activations' d
 GGUF-quantized weights (a :class:`~pdserve.model.quantized.QuantizedTensor`, or a list of them
 stacked along N, types may differ) stay packed for :mod:`pdserve.kernels.quant_gemm` (same
 rules: float32 in and out, one fixed-order sum per output element) where the C++ module runs;
-elsewhere they are dequantized once to bf16.
+elsewhere they are dequantized once, to the activations' dtype (bf16 where none is given).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class Linear:
                 self.bias = bias.float() if bias is not None else None
                 return
             _log_dequantized_once()
-            weight = torch.cat([p.dequantize(torch.bfloat16) for p in parts])
+            # Straight to the activations' dtype: a float32 run keeps every dequantized bit.
+            weight = torch.cat([p.dequantize(act_dtype or torch.bfloat16) for p in parts])
         act_dtype = act_dtype or weight.dtype
         self.kernel = cpu_gemm.pack_for_kernel(weight) if use_kernel else None
         self.bias = bias.to(act_dtype) if bias is not None else None
@@ -80,5 +81,5 @@ class Linear:
 def _log_dequantized_once() -> None:
     logger.warning(
         "quantized CPU matmul not used here (it needs AVX2 and a C++ compiler): "
-        "GGUF weights are dequantized to bf16 at load"
+        "GGUF weights are dequantized at load"
     )

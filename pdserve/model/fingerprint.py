@@ -24,6 +24,11 @@ _MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on the JSON header
 
 def weights_fingerprint(model_dir: str | Path) -> str:
     """A short stable hash of the checkpoint's tensors (names, dtypes, shapes, first bytes)."""
+    from pdserve.model.gguf.file import find_gguf
+
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None:
+        return _gguf_fingerprint(gguf_path)
     digest = hashlib.sha256()
     for path in checkpoint_files(Path(model_dir)):
         with open(path, "rb") as f:
@@ -41,6 +46,20 @@ def weights_fingerprint(model_dir: str | Path) -> str:
                 sample = f.read(min(SAMPLE_BYTES, end - begin))
                 digest.update(f"{name}|{entry['dtype']}|{entry['shape']}|".encode())
                 digest.update(sample)
+    return digest.hexdigest()[:16]
+
+
+def _gguf_fingerprint(path: Path) -> str:
+    """The same hash over a GGUF file's tensors (GGML type names, shapes, first bytes)."""
+    from pdserve.model.gguf.file import open_gguf
+
+    digest = hashlib.sha256()
+    tensors = open_gguf(path).tensors
+    for name in sorted(tensors):
+        t = tensors[name]
+        shape = [int(d) for d in reversed(t.shape)]
+        digest.update(f"{name}|{t.tensor_type.name}|{shape}|".encode())
+        digest.update(t.data.reshape(-1).view("uint8")[:SAMPLE_BYTES].tobytes())
     return digest.hexdigest()[:16]
 
 

@@ -82,6 +82,18 @@ class LlamaModel:
             self.act_dtype, device,
         )  # fmt: skip
 
+    @property
+    def num_weight_bytes(self) -> int:
+        """Memory the weights occupy as they run: each projection's (packed, quantized or dense)
+        copy, the embedding table and the norms."""
+        linears = [self.lm_head]
+        vectors = [self.weights.embed, self.final_norm]
+        for layer in self.layers:
+            linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+            vectors += [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm]
+        dense = sum(t.numel() * t.element_size() for t in vectors if t is not None)
+        return dense + sum(p.num_bytes for p in linears)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states ``(T, hidden)`` before the final norm; ``attn`` (its forward metadata

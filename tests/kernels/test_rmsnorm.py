@@ -82,3 +82,19 @@ def test_fused_add_falls_back_to_torch_for_other_dtypes() -> None:
     out = add_rms_norm_(h, x, w, 1e-6)
     assert torch.equal(h, expected_h)
     torch.testing.assert_close(out, F.rms_norm(expected_h, (16,), w, 1e-6))
+
+
+@needs_kernel
+def test_a_row_has_the_same_bits_at_every_row_count() -> None:
+    """Alone, among 3 or 8 decode rows, in a 64-row chunk and a 300-row prompt (where the
+    kernel splits rows between threads): one result per row, fused add included."""
+    torch.manual_seed(0)
+    w, row, delta = torch.randn(576), torch.randn(1, 576), torch.randn(1, 576)
+    alone = rms_norm(row, w, 1e-5)
+    alone_fused = add_rms_norm_(row.clone(), delta, w, 1e-5)
+    for num_rows in (3, 8, 64, 300):
+        at = num_rows // 2
+        batch, deltas = torch.randn(num_rows, 576), torch.randn(num_rows, 576)
+        batch[at], deltas[at] = row[0], delta[0]
+        assert torch.equal(rms_norm(batch, w, 1e-5)[at], alone[0]), num_rows
+        assert torch.equal(add_rms_norm_(batch, deltas, w, 1e-5)[at], alone_fused[0]), num_rows
