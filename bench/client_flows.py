@@ -311,7 +311,7 @@ def lm_eval(a: argparse.Namespace) -> dict[str, Any]:
         cache.write_text(json.dumps(ref))
     args = (
         f"model={a.model},base_url={a.base_url}/completions,tokenizer={a.model_dir},"
-        "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=300"
+        "tokenizer_backend=huggingface,add_bos_token=True,num_concurrent=1,max_retries=1,timeout=300"
     )
     got = _lm_eval_samples("local-completions", args, tasks)
     (work / f"lm_eval_{a.label}.json").write_text(json.dumps(got))

@@ -80,10 +80,10 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 
 
 @contextmanager
-def target(kind: str, model_dir: str, name: str, work: Path) -> Iterator[str]:
+def target(kind: str, model_dir: str, name: str, work: Path, dtype: str) -> Iterator[str]:
     """A colocated worker or a ``pdserve up`` cluster; yields its base URL."""
     port = free_port()
-    common = ["--model", model_dir, "--served-model-name", name, "--dtype", "float32"]
+    common = ["--model", model_dir, "--served-model-name", name, "--dtype", dtype]
     if kind == "colocated":
         argv = ["serve", "--role", "colocated", "--port", str(port), *common]
     else:
@@ -163,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flows", default=",".join(FLOWS))
     p.add_argument("--work-dir", type=Path, default=CACHE / "clients-run")
     p.add_argument("--record", type=Path, default=None, help="save each flow's request bodies")
+    p.add_argument("--dtype", default="float32", help="targets' --dtype (hf: float32)")
     return p.parse_args(argv)
 
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = a.targets.split(",")
     results: dict[tuple[str, str], dict[str, Any]] = {}
     for kind in targets:
-        with target(kind, a.model_dir, a.served_name, a.work_dir) as url:
+        with target(kind, a.model_dir, a.served_name, a.work_dir, a.dtype) as url:
             for flow in a.flows.split(","):
                 with clients_proxy.maybe_recording(url, a.record, flow, kind) as client_url:
                     results[(flow, kind)] = run_flow(python, flow, client_url, a, kind)

@@ -48,6 +48,7 @@ def build_app(
     )
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)
+    app.router.add_post("/v1/responses", openai.responses)
     app.router.add_post("/tokenize", tokenize.tokenize)
     app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/v1/models", openai.list_models, allow_head=False)

@@ -17,6 +17,7 @@ from pdserve.api.protocol import (
     resolve_request_id,
 )
 from pdserve.api.responses import ChatResponseBuilder, CompletionResponseBuilder
+from pdserve.api.responses_api import ResponsesBuilder, chat_body
 from pdserve.api.serve import serve_prepared
 from pdserve.api.state import ApiContext, api_context
 
@@ -57,6 +58,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )
     await _attach_grammars(ctx, prepared)
     builder = CompletionResponseBuilder(prepared, ctx.token_texts)
+    return await serve_prepared(request, ctx, prepared, builder)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: served as the chat completion it stands for (responses_api.py)."""
+    ctx = api_context(request)
+    body = await _read(request, ctx)
+    rid = resolve_request_id(request.headers.get("X-Request-Id"), "resp")
+    engine = ctx.engine
+    parsed = parse_chat_request(chat_body(body), ctx.config, engine.tokenizer.vocab_size)
+    prepared = await prepare_chat(
+        parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
+    )
+    builder = ResponsesBuilder(ChatResponseBuilder(prepared, ctx.token_texts, None), body)
     return await serve_prepared(request, ctx, prepared, builder)
 
 

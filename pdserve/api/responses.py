@@ -92,6 +92,10 @@ class ResponseBuilder(ABC):
         """Last chunk when ``stream_options.include_usage``: no choices, the totals."""
         return {**self._header(self.chunk_object), "choices": [], "usage": self.usage()}
 
+    def closing_chunks(self) -> list[dict[str, Any]]:
+        """What a stream sends after its last delta (before ``[DONE]``)."""
+        return [self.usage_chunk()] if self.prepared.options.include_usage else []
+
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._header(self.chunk_object), "choices": [choice]}
         options = self.prepared.options

@@ -115,8 +115,9 @@ async def _stream(
                 await writer.send(b"".join(events))  # one write per batch, not per chunk
                 events = []
             batch = await streams.next_batch()
-        if builder.prepared.options.include_usage:
-            await writer.send(encode_event(builder.usage_chunk()))
+        closing = builder.closing_chunks()
+        if closing:
+            await writer.send(b"".join(encode_event(c) for c in closing))
     except (ApiError, EngineError) as exc:
         err = from_engine_error(exc) if isinstance(exc, EngineError) else exc
         logger.info(

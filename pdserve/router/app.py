@@ -31,7 +31,11 @@ logger = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _OPEN_PATHS = frozenset({"/health", "/health/ready", "/health/pd", "/metrics"})
-_ID_PREFIX = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-"}
+_ID_PREFIX = {
+    "/v1/chat/completions": "chatcmpl-",
+    "/v1/completions": "cmpl-",
+    "/v1/responses": "resp-",
+}
 
 
 class Router:
@@ -173,6 +177,7 @@ class Router:
         )
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/responses", self._completions)  # PD legs like a chat
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/tokenize", self._tokenizer_call)
         app.router.add_post("/detokenize", self._tokenizer_call)
