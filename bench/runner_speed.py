@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import orjson
+
+# Appended, not prepended: a PYTHONPATH naming another checkout decides which pdserve runs.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
@@ -56,7 +60,7 @@ def measure(runner: ModelRunner, prompt_len: int, batches: list[int], reps: int)
             decode[b].append((time.perf_counter() - start) / steps)
     return {
         "prefill_ms": round(statistics.median(prefill) * 1e3, 1),
-        "decode_step_ms": {b: round(statistics.median(t) * 1e3, 2) for b, t in decode.items()},
+        "decode_step_ms": {str(b): round(statistics.median(t) * 1e3, 2) for b, t in decode.items()},
     }
 
 
