@@ -48,5 +48,5 @@ bench: install
 GPU_WHEELS ?= .whl
 GPU_PLATFORMS := $(foreach p,manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
 gpu-wheels: install
-	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS) nixl-cu13==1.5.1 nixl==1.5.1 orjson==3.13.0 transitions==0.9.3 pytest-asyncio==1.5.0 llguidance==1.9.1
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS) nixl-cu13==1.5.1 nixl==1.5.1 orjson==3.13.0 transitions==0.9.3 pytest-asyncio==1.5.0 llguidance==1.9.1 gguf==0.19.0
 	du -sh $(GPU_WHEELS)

@@ -106,11 +106,11 @@ class ModelRunner:
         declared = declared_dtype(config.model_dir, self.model_config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, declared)
         self.act_dtype = activation_dtype(self.dtype, self.device)
-        # "auto": the weights' dtype; a block-quantized GGUF's KV is bf16 (its dense float32
-        # parts are a loading choice, not the precision it was made for).
+        # "auto": the weights' dtype; a block-quantized GGUF under --dtype auto keeps a bf16 KV
+        # cache (its dense float32 parts are a loading choice, not a precision it was made for).
         stored = self.dtype
-        if is_block_quantized(config.model_dir, self.model_config) and is_cpu(self.device):
-            stored = torch.bfloat16
+        if config.dtype == "auto" and is_block_quantized(config.model_dir, self.model_config):
+            stored = torch.bfloat16 if is_cpu(self.device) else self.dtype
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, stored, self.act_dtype)
         self.tokenizer = load_tokenizer(config.model_dir)
         mc = self.model_config

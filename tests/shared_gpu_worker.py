@@ -84,10 +84,10 @@ def patch_torch_cuda(gpu: SharedGpu, gpu_dir: Path) -> None:
 
 def patch_runner(gpu: SharedGpu, args: argparse.Namespace) -> None:
     model_runner.is_cpu = lambda device: False  # take the CUDA branches on CPU tensors
-    loaded, pool_cls, warm_up = (model_runner.load_weights, model_runner.KVPagePool,
+    loaded, pool_cls, warm_up = (model_runner.load_model_weights, model_runner.KVPagePool,
                                  ModelRunner._warm_up_largest_step)  # fmt: skip
 
-    def load_weights(*a: Any, **k: Any) -> Any:
+    def load_model_weights(*a: Any, **k: Any) -> Any:
         gpu.allocated += WEIGHTS
         gpu.publish()
         gpu.mark("weights")
@@ -108,7 +108,7 @@ def patch_runner(gpu: SharedGpu, args: argparse.Namespace) -> None:
             gpu.wait_for(args.wait_for)
         warm_up(self)
 
-    model_runner.load_weights = load_weights
+    model_runner.load_model_weights = load_model_weights
     model_runner.KVPagePool = pool
     ModelRunner._warm_up_largest_step = warm_up_largest_step
     if args.no_lock:  # what the runner did before it took turns (the control case)

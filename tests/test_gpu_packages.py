@@ -29,8 +29,7 @@ DEVICE_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3",
 # (the image's torch is +cu130), so nixl-cu13 alone is carried.
 NOT_NEEDED = {("nixl", "nixl-cu12")}
 # Imported only on paths the check never takes (and not in setup.cfg's requirements).
-# gguf: pdserve/model/quantized.py, for GGUF checkpoints; the check writes safetensors.
-OPTIONAL_IMPORTS = {"gguf"}
+OPTIONAL_IMPORTS: set[str] = set()
 # What bench/gpu_check.py runs on the device: the package, its bench modules, the tests it names.
 DEVICE_CODE = ("pdserve", "bench/gpu_check.py", "bench/gpu_plan.py", "bench/gpu_speed.py",
                "bench/gpu_pd.py", "bench/cluster.py", "bench/serving.py", "bench/workloads.py",
