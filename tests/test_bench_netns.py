@@ -8,8 +8,8 @@ import json
 import os
 import socket
 import subprocess
-import time
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
