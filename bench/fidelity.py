@@ -78,13 +78,15 @@ def prompt_ids(model: str, gguf_file: str | None) -> list[list[int]]:
     return chats + raw
 
 
-def hf_greedy(
-    model: str, gguf_file: str | None, dtype: torch.dtype, prompts: list[list[int]], n: int
-) -> list[list[int]]:
+def load_hf(model: str, gguf_file: str | None, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(model, gguf_file=gguf_file, dtype=dtype)
     lm.generation_config.eos_token_id = None  # EOS ignored, as pdserve's ignore_eos
+    return lm
+
+
+def greedy(lm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     out = []
     with torch.inference_mode():
         for ids in prompts:
@@ -93,6 +95,12 @@ def hf_greedy(
                             min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
             out.append(y[0, len(ids) :].tolist())
     return out
+
+
+def hf_greedy(
+    model: str, gguf_file: str | None, dtype: torch.dtype, prompts: list[list[int]], n: int
+) -> list[list[int]]:
+    return greedy(load_hf(model, gguf_file, dtype), prompts, n)
 
 
 def pdserve_greedy(

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.fidelity import NUM_FACTUAL, hf_greedy, pdserve_greedy, prompt_ids, score
+from bench.fidelity import NUM_FACTUAL, greedy, load_hf, pdserve_greedy, prompt_ids, score
 from pdserve.model.fetch import FetchError, fetch_model
 
-NUM_TOKENS = 24
-NUM_COMPLETIONS = 4
+NUM_TOKENS = 16
+NUM_COMPLETIONS = 2
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,10 @@ def test_default_numerics_agree_with_float32_at_least_as_well_as_transformers_bf
     everything = prompt_ids(hf_dir, name)
     num_chat = len(everything) - 12  # prompt_ids: the chat questions, then 12 completions
     prompts = everything[:NUM_FACTUAL] + everything[num_chat : num_chat + NUM_COMPLETIONS]
-    ref = hf_greedy(hf_dir, name, torch.float32, prompts, NUM_TOKENS)
-    hf_bf16 = score("transformers bf16", hf_greedy(hf_dir, name, torch.bfloat16, prompts,
-                                                   NUM_TOKENS), ref)  # fmt: skip
+    reference = load_hf(hf_dir, name, torch.float32)  # one GGUF dequantization for both
+    ref = greedy(reference, prompts, NUM_TOKENS)
+    hf_bf16 = score("transformers bf16", greedy(reference.to(torch.bfloat16), prompts, NUM_TOKENS),
+                    ref)  # fmt: skip
     ours = score("pdserve", pdserve_greedy(str(smollm), "auto", prompts, NUM_TOKENS), ref)
     assert ours.mean_agreeing_tokens >= hf_bf16.mean_agreeing_tokens, (ours, hf_bf16)
     assert ours.factual_first_tokens_equal == NUM_FACTUAL, ours
