@@ -9,7 +9,7 @@ prints:
   only, each chain seeded differently (identical chains are one chain to the compiler: an earlier
   version of this script measured one latency-bound chain and reported it as 1.5x the peak), on
   1 and on ``--threads`` threads at once;
-* the GEMM's inner loop (``csrc/bf16_gemm.cpp``: a 16-column bf16 panel widened by shift/and,
+* the GEMM's inner loop (``csrc/dense_gemm.cpp``: a 16-column bf16 panel widened by shift/and,
   the rows' inputs side by side and broadcast from memory), one thread, for 4 and 6 rows: on one
   cached 32 KB panel, and streaming 64 MB of panels from memory without and with the kernel's 2 KiB
   software prefetch. Medians of interleaved rounds (a shared machine slows every variant alike).
