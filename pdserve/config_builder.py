@@ -38,7 +38,6 @@ def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -
         enforce_eager=args.enforce_eager,
         # generate has no --decode-threads: it measures nothing at start-up.
         decode_threads=getattr(args, "decode_threads", None),
-        prefills_prompts=role != "decode",
         runs_decode_steps=role != "prefill",
     )
 

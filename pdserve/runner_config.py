@@ -31,8 +31,6 @@ class RunnerConfig:
     # The KV cache's dtype: "auto" (the weights' dtype: bf16 for a bf16 checkpoint),
     # "bfloat16" or "float32" (on CPUs, where activations are float32; see pdserve.model.dtype).
     kv_cache_dtype: str = "auto"
-    # False for a worker that never prefills prompts (the decode role).
-    prefills_prompts: bool = True
     # "auto" | "torch" | "cpp" | "triton" (pdserve.attention.backend): auto picks the C++ kernel
     # on CPUs, Triton on CUDA, torch where neither runs.
     attention_backend: str = "auto"

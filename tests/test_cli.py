@@ -79,15 +79,6 @@ def test_decode_threads_default_to_auto_and_a_count_reaches_the_runner_config(tm
     assert parse("--decode-threads", "auto").decode_threads is None
 
 
-@pytest.mark.parametrize(("role", "prefills"), [("decode", False), ("prefill", True),
-                                               ("colocated", True)])  # fmt: skip
-def test_only_the_decode_role_is_told_it_never_prefills_prompts(
-    tmp_path, role: str, prefills: bool
-) -> None:
-    runner = server_config_from_args(parse("--model", str(tmp_path), "--role", role)).runner
-    assert runner.prefills_prompts is prefills
-
-
 @pytest.mark.parametrize("value", ["0", "-1", "many"])
 def test_decode_threads_must_be_auto_or_a_positive_count(value: str) -> None:
     with pytest.raises(SystemExit):
