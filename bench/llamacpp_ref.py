@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -29,8 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +36,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cluster import ManagedProc  # noqa: E402
+from pdserve.file_lock import exclusive_file_lock  # noqa: E402
 
 VERSION = "0.3.36"  # of llama-cpp-python, whose sdist vendors llama.cpp
 TARGETS = ("llama-server", "llama-quantize")
@@ -138,25 +136,6 @@ def extract_source(sdist: Path, version: str, dest: Path) -> None:
         tar.extractall(dest, members=members, filter="data")
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
-    """An flock on ``lock_path`` (one build at a time per tree), polled until ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    with open(lock_path, "a") as f:
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{lock_path} held for {timeout_s:g} s") from None
-                time.sleep(1.0)  # poll interval of a bounded wait for another builder
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def ensure_build(
     version: str = VERSION,
     cache_dir: Path | None = None,
@@ -169,7 +148,7 @@ def ensure_build(
     if tree.is_built():
         return tree
     tree.root.mkdir(parents=True, exist_ok=True)
-    with _exclusive(tree.root / "build.lock", BUILD_TIMEOUT_S):
+    with exclusive_file_lock(tree.root / "build.lock", BUILD_TIMEOUT_S):
         if tree.is_built():  # another process built it while this one waited
             return tree
         if not (tree.src / "CMakeLists.txt").is_file():
