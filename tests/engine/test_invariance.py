@@ -6,6 +6,7 @@ the same request run alone, uncached and unchunked."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ async def run(
     *,
     budget: int,
     caching: bool,
-    warm: list[list[int]] = (),  # type: ignore[assignment]
+    warm: Sequence[list[int]] = (),
 ) -> list[Trace]:
     """``warm`` prompts run first (filling the prefix cache), then ``requests`` all at once."""
     chunked = budget < 10_000
