@@ -15,8 +15,10 @@ serves the same checkpoint and load in the same run, and every row gets its rati
 fair comparison on a shared machine whose speed drifts with its neighbours' load.
 With ``--llamacpp`` llama.cpp's ``llama-server`` (bench/llamacpp_ref.py, built once) serves each
 listed GGUF under the same load: a path, or BF16 / Q8_0 for llama.cpp's own conversion of the
-checkpoint pdserve serves. Config ``smollm2`` is SmolLM2-135M-Instruct (bench/real_model.py):
-pdserve serves the bf16 HF directory made from the shipped Q4_1 GGUF.
+checkpoint pdserve serves; pdserve's deployments serve each file too (``pd-Q4_1``,
+``colocated-Q4_1``, ...; ``--no-same-file``: only its own checkpoint). Config ``smollm2`` is
+SmolLM2-135M-Instruct (bench/real_model.py): pdserve's own checkpoint is then the bf16 HF
+directory made from the shipped Q4_1 GGUF.
 """
 
 from __future__ import annotations
@@ -79,19 +81,23 @@ def shared_lease_args() -> tuple[str, ...]:
 
 
 async def serve_load(
-    url: str, model_dir: Path, args: argparse.Namespace, conc: int, is_closing: bool = False
+    url: str, tokenizer: Path, args: argparse.Namespace, conc: int, is_closing: bool = False
 ) -> dict:
     cfg = BenchConfig(
         base_url=url, model="bench", endpoint="completions", input_len=args.input_len,
         output_len=args.output_len, num_requests=max(args.num_requests, conc), concurrency=conc,
-        tokenizer=str(model_dir), is_progress_shown=False, num_warmup=2,
+        tokenizer=str(tokenizer), is_progress_shown=False, num_warmup=2,
         is_connection_closed=is_closing,
     )  # fmt: skip
     return await run_benchmark(cfg)
 
 
-async def bench_pd(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
-    spec = ClusterSpec(model_dir=str(model_dir), served_model_name="bench",
+async def bench_pd(
+    model_dir: Path, args: argparse.Namespace, model: Path | None = None
+) -> dict[int, dict]:
+    """The PD cluster on ``model`` (default: ``model_dir``; a GGUF file of the same
+    checkpoint, say), loaded with ``model_dir``'s tokenizer."""
+    spec = ClusterSpec(model_dir=str(model or model_dir), served_model_name="bench",
                        worker_args=PERF_ARGS, router_args=())  # fmt: skip
     cluster = Cluster(spec)
     lease_args = shared_lease_args() if args.cpu_lease else ()
@@ -103,11 +109,15 @@ async def bench_pd(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]
         return {c: await serve_load(cluster.router.url, model_dir, args, c) for c in args.conc}
 
 
-async def bench_colocated(model_dir: Path, args: argparse.Namespace) -> dict[int, dict]:
+async def bench_colocated(
+    model_dir: Path, args: argparse.Namespace, model: Path | None = None
+) -> dict[int, dict]:
+    """One colocated worker on ``model`` (as bench_pd)."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "colocated.log"
     proc = ManagedProc("colocated", "colocated",
-                       ["serve", "--role", "colocated", "--model", str(model_dir), "--port",
+                       ["serve", "--role", "colocated", "--model", str(model or model_dir),
+                        "--port",
                         str(port), "--served-model-name", "bench", *PERF_ARGS,
                         *_role_args(args.colocated_threads)],
                        f"http://127.0.0.1:{port}", log)  # fmt: skip
@@ -192,9 +202,10 @@ def summary_metric(summary: dict | None, *path: str) -> float | None:
 
 
 def deployment_order(results: dict[str, dict[int, dict]]) -> list[str]:
-    """pdserve's deployments, then the references (vLLM, each llama.cpp file, transformers)."""
-    llama = [d for d in results if d.startswith(LLAMACPP_PREFIX)]
-    return [d for d in ("pd", "colocated", "vllm", *llama, "transformers") if d in results]
+    """pdserve's deployments, then the references (vLLM, transformers), then each GGUF file's
+    pdserve deployments beside llama.cpp's."""
+    per_file = [d for d in results if "-" in d]
+    return [d for d in ("pd", "colocated", "vllm", "transformers") if d in results] + per_file
 
 
 def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> list[dict]:
@@ -243,8 +254,14 @@ async def run_all(args: argparse.Namespace) -> list[dict]:
                 tree = await asyncio.to_thread(llamacpp_ref.ensure_build)
                 ggufs = await asyncio.to_thread(llamacpp_ggufs, args.llamacpp, model_dir, tree)
                 for gguf in ggufs:
-                    key = LLAMACPP_PREFIX + llamacpp_ref.gguf_label(gguf)
-                    results[key] = await bench_llamacpp(tree, gguf, model_dir, args)
+                    label = llamacpp_ref.gguf_label(gguf)
+                    if args.same_file:  # pdserve on the very file llama.cpp serves
+                        for dep, bench in (("pd", bench_pd), ("colocated", bench_colocated)):
+                            if dep in args.deps:
+                                results[f"{dep}-{label}"] = await bench(model_dir, args, gguf)
+                    results[LLAMACPP_PREFIX + label] = await bench_llamacpp(
+                        tree, gguf, model_dir, args
+                    )
             if "transformers" in args.deps:
                 results["transformers"] = await asyncio.to_thread(
                     bench_transformers, model_dir, args
@@ -254,15 +271,21 @@ async def run_all(args: argparse.Namespace) -> list[dict]:
 
 
 def ratio_lines(rows: list[dict], prefix: str) -> list[str]:
-    """pdserve's throughput over each reference deployment's (``prefix``...), per concurrency."""
-    tok_s = {(r["config"], r["deployment"], r["concurrency"]): r["tok_s"] for r in rows}
+    """pdserve's throughput over each reference deployment's (``prefix`` + label), per
+    concurrency: pdserve on its own checkpoint and, where it ran, on the reference's file."""
+    by_key = {(r["config"], r["deployment"], r["concurrency"]): r for r in rows}
     lines = []
-    for config, ref, conc in sorted(k for k in tok_s if k[1].startswith(prefix)):
-        for dep in ("pd", "colocated"):
-            mine = tok_s.get((config, dep, conc))
-            if mine is not None and tok_s[(config, ref, conc)]:
-                ratio = mine / tok_s[(config, ref, conc)]
-                lines.append(f"{config} c{conc}: {dep} / {ref} throughput, same run: {ratio:.2f}")
+    for config, ref, conc in sorted(k for k in by_key if k[1].startswith(prefix)):
+        label, theirs = ref[len(prefix) :], by_key[(config, ref, conc)]
+        for dep in ("pd", "colocated", f"pd-{label}", f"colocated-{label}"):
+            mine = by_key.get((config, dep, conc))
+            if mine is None or not theirs["tok_s"]:
+                continue
+            line = (f"{config} c{conc}: {dep} / {ref} throughput, same run: "
+                    f"{mine['tok_s'] / theirs['tok_s']:.2f}")  # fmt: skip
+            if mine.get("tpot_p50_ms") and theirs.get("tpot_p50_ms"):
+                line += f"; TPOT p50 {mine['tpot_p50_ms']:.1f} vs {theirs['tpot_p50_ms']:.1f} ms"
+            lines.append(line)
     return lines
 
 
@@ -297,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         help="llama-server on each GGUF too: a path, or BF16 / Q8_0 made from the checkpoint",
     )  # fmt: skip
     p.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t")
+    p.add_argument(
+        "--same-file", action=argparse.BooleanOptionalAction, default=True,
+        help="with --llamacpp: pdserve's deployments serve each GGUF file too",
+    )  # fmt: skip
     args = p.parse_args(argv)
     args.deps = args.deployments.split(",")
     args.configs = args.config.split(",")

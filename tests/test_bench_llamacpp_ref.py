@@ -9,7 +9,7 @@ import argparse
 import io
 import sys
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import orjson
@@ -218,7 +218,7 @@ async def test_pd_compare_serves_each_llamacpp_file_beside_pdserve(
     monkeypatch.setattr(pd_compare, "bench_llamacpp", fake_bench)
     args = argparse.Namespace(
         deps=[], configs=["smollm2"], conc=[1], model_dir=str(hf_dir), vllm_python=None,
-        llamacpp="/m/a.Q4_1.gguf,Q8_0,bf16",
+        llamacpp="/m/a.Q4_1.gguf,Q8_0,bf16", same_file=True,
     )  # fmt: skip
     rows = await pd_compare.run_all(args)
     assert served == [Path("/m/a.Q4_1.gguf"), tmp_path / "hf.Q8_0.gguf", tmp_path / "hf.BF16.gguf"]
@@ -227,11 +227,42 @@ async def test_pd_compare_serves_each_llamacpp_file_beside_pdserve(
 
 
 def test_ratio_lines_compare_pdserve_with_each_llamacpp_file_of_the_same_run() -> None:
-    def row(dep: str, conc: int, tok_s: float) -> dict:
-        return {"config": "smollm2", "deployment": dep, "concurrency": conc, "tok_s": tok_s}
+    def row(dep: str, conc: int, tok_s: float, tpot: float | None = None) -> dict:
+        return {"config": "smollm2", "deployment": dep, "concurrency": conc, "tok_s": tok_s,
+                "tpot_p50_ms": tpot}  # fmt: skip
 
-    rows = [row("pd", 8, 150.0), row("colocated", 8, 120.0), row("llamacpp-Q4_1", 8, 100.0)]
+    rows = [row("pd", 8, 150.0), row("colocated", 8, 120.0), row("llamacpp-Q4_1", 8, 100.0, 20.0),
+            row("colocated-Q4_1", 8, 130.0, 15.0), row("colocated-Q8_0", 8, 999.0)]  # fmt: skip
     assert pd_compare.ratio_lines(rows, pd_compare.LLAMACPP_PREFIX) == [
         "smollm2 c8: pd / llamacpp-Q4_1 throughput, same run: 1.50",
         "smollm2 c8: colocated / llamacpp-Q4_1 throughput, same run: 1.20",
+        "smollm2 c8: colocated-Q4_1 / llamacpp-Q4_1 throughput, same run: 1.30; "
+        "TPOT p50 15.0 vs 20.0 ms",
     ]
+
+
+async def test_pdserve_serves_each_llamacpp_file_beside_llama_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served: list[tuple[str, Path]] = []
+
+    def fake(kind: str) -> Callable[..., Awaitable[dict]]:
+        async def bench(*a: object) -> dict:  # (model_dir, args[, model]) / (tree, gguf, ...)
+            model = a[1] if kind == "llamacpp" else (a[2] if len(a) > 2 else a[0])
+            served.append((kind, Path(str(model))))
+            return {1: {"output_throughput": 10.0, "num_errors": 0, "num_requests": 16}}
+
+        return bench
+
+    monkeypatch.setattr(pd_compare, "bench_pd", fake("pd"))
+    monkeypatch.setattr(pd_compare, "bench_colocated", fake("colocated"))
+    monkeypatch.setattr(pd_compare, "bench_llamacpp", fake("llamacpp"))
+    monkeypatch.setattr(pd_compare.llamacpp_ref, "ensure_build", lambda: None)
+    args = argparse.Namespace(
+        deps=["colocated"], configs=["smollm2"], conc=[1], model_dir=str(tmp_path),
+        vllm_python=None, llamacpp="/m/a.Q4_1.gguf", same_file=True,
+    )  # fmt: skip
+    rows = await pd_compare.run_all(args)
+    assert served == [("colocated", tmp_path), ("colocated", Path("/m/a.Q4_1.gguf")),
+                      ("llamacpp", Path("/m/a.Q4_1.gguf"))]  # fmt: skip
+    assert [r["deployment"] for r in rows] == ["colocated", "colocated-Q4_1", "llamacpp-Q4_1"]

@@ -6,17 +6,21 @@
 // sliding window's first key. Optionally every row's new K/V is first stored into its slot
 // (position len - 1), converted to the pool's dtype (bf16: round to nearest even), before any
 // row attends, so the rows of a prompt chunk see each other's keys exactly as they are stored.
-// Work items are (row, KV head) pairs. Each item loads every visible key and value of its
-// KV head once and uses it for all the query heads that share it (grouped-query attention):
+// Work items are (run of rows, KV head) pairs, a run being up to 4 consecutive rows of one
+// prompt chunk (a decode row is a run of one). Each item loads every visible key and value of
+// its KV head once and uses it for all its rows and all the query heads that share the KV head
+// (grouped-query attention):
 //   1. scores s[g, j] = (q_g * scale) . k_j in float32, for the item's query heads g;
 //   2. a safe softmax per head: subtract the row max, exponentiate 8 lanes at a time (exp8);
 //   3. out_g = sum_j p[g, j] v_j / sum_j p[g, j], accumulated in float32 registers.
-// An item's arithmetic depends only on its own query, position and the stored keys, never on
-// its batch mates, on how the prompt was chunked, on whether its prefix came from the prefix
-// cache or a transfer, or on how items are split between threads: a token's attention output
-// has the same bits in a whole prompt, a chunk, a decode step and a mixed step.
+// A row's arithmetic depends only on its own query, position and the stored keys (each score
+// and each output element is its own fma chain, in the same order whatever run the row is
+// in), never on its batch mates, its run, how the prompt was chunked, whether its prefix came
+// from the prefix cache or a transfer, or how items are split between threads: a token's
+// attention output has the same bits in a whole prompt, a chunk, a decode step and a mixed step.
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_ext.h"
@@ -26,9 +30,13 @@ namespace {
 
 // Items run on one thread below this many multiply-adds in total (a tiny model's step): waking
 // the second thread of a busy 2-core machine can cost a scheduler time slice.
-constexpr int64_t kMinParallelMacs = 1 << 20;
+constexpr int64_t kMinParallelMacs = 1 << 17;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 4;  // query heads processed together per pass over the keys
+// Consecutive rows of one sequence processed together per pass (a prompt chunk's rows): each
+// key and value loaded serves them all. At most 8 / heads-per-pass, so a pass's accumulators
+// (rows x heads vectors) stay in registers.
+constexpr int64_t kMaxRun = 4;
 // Rows ahead to prefetch. A step's weights stream through the caches between two layers'
 // attention, so keys and values come from memory, one scattered 64-512-byte row at a time,
 // which the hardware prefetcher does not follow. The qk pass prefetches the values too, so the
@@ -73,28 +81,38 @@ inline void reduce(const __m256* acc, float* out) {
   }
 }
 
-// Scores of NG query heads (qf: NG rows of D, pre-scaled float32) against the keys at
-// `rows` (element offsets of each key in the pool), into scores[g * stride + j].
-template <int NG, typename T>
-void qk(const float* qf, const T* keys, const T* values, const int64_t* rows, int64_t n,
-        int64_t D, float* scores, int64_t stride) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kPrefetchRows < n) {
+// Scores of NG query heads of R rows (qf[r]: NG rows of D, pre-scaled float32) against keys
+// [j0, j1) at `rows` (element offsets of each key in the pool), into scores[r][g * stride + j].
+// Each key is loaded once for all R x NG dot products; each score is its own fma chain over
+// the dimensions and one reduce<NG>, whatever R is.
+template <int NG, int R, typename T>
+void qk(const float* const* qf, const T* keys, const T* values, const int64_t* rows, int64_t j0,
+        int64_t j1, int64_t D, float* const* scores, int64_t stride) {
+  for (int64_t j = j0; j < j1; ++j) {
+    if (j + kPrefetchRows < j1) {
       prefetch_row(keys + rows[j + kPrefetchRows], D);
       prefetch_row(values + rows[j + kPrefetchRows], D);
     }
     const T* k = keys + rows[j];
-    __m256 acc[NG];
-    for (int g = 0; g < NG; ++g) acc[g] = _mm256_setzero_ps();
+    __m256 acc[R][NG];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) acc[r][g] = _mm256_setzero_ps();
     for (int64_t c = 0; c < D; c += 8) {
       const __m256 kv = load8(k + c);
 #pragma GCC unroll 4
-      for (int g = 0; g < NG; ++g)
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + c), kv, acc[g]);
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; ++g)
+          acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf[r] + g * D + c), kv, acc[r][g]);
     }
-    float s[NG];
-    reduce<NG>(acc, s);
-    for (int g = 0; g < NG; ++g) scores[g * stride + j] = s[g];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float s[NG];
+      reduce<NG>(acc[r], s);
+      for (int g = 0; g < NG; ++g) scores[r][g * stride + j] = s[g];
+    }
   }
 }
 
@@ -112,50 +130,92 @@ inline float softmax_numerators(float* s, int64_t padded) {
   return hsum(sum);
 }
 
-// out_g = sum_j p[g * stride + j] v_j * inv_sum[g], 16 dimensions at a time in registers.
-template <int NG, typename T, typename TO>
-void pv(const float* p, int64_t stride, const T* values, const int64_t* rows, int64_t n,
-        int64_t D, const float* inv_sum, TO* out) {
-  for (int64_t c = 0; c < D; c += 16) {
-    __m256 lo[NG], hi[NG];
-    for (int g = 0; g < NG; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const T* v = values + rows[j] + c;
-      const __m256 v0 = load8(v), v1 = load8(v + 8);
+// acc[r][g][w] += p[r][g * stride + j] v_j[c + 8w ..] for j in [j0, j1), j ascending.
+template <int NG, int R, int W, typename T>
+inline void pv_keys(float* const* p, int64_t stride, const T* values, const int64_t* rows,
+                    int64_t j0, int64_t j1, int64_t c, __m256 (&acc)[R][NG][W]) {
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 v[W];
+#pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) v[w] = load8(values + rows[j] + c + 8 * w);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int g = 0; g < NG; ++g) {
-        const __m256 w = _mm256_broadcast_ss(p + g * stride + j);
-        lo[g] = _mm256_fmadd_ps(w, v0, lo[g]);
-        hi[g] = _mm256_fmadd_ps(w, v1, hi[g]);
+        const __m256 pj = _mm256_broadcast_ss(p[r] + g * stride + j);
+#pragma GCC unroll 2
+        for (int w = 0; w < W; ++w) acc[r][g][w] = _mm256_fmadd_ps(pj, v[w], acc[r][g][w]);
       }
-    }
-    for (int g = 0; g < NG; ++g) {
-      const __m256 r = _mm256_set1_ps(inv_sum[g]);
-      store8(out + g * D + c, _mm256_mul_ps(lo[g], r));
-      store8(out + g * D + c + 8, _mm256_mul_ps(hi[g], r));
-    }
   }
 }
 
-// Query heads [h0, h0 + NG) of query row b, all of KV head kvh.
-template <int NG, typename TQ, typename T>
-void head_group(const Problem<TQ, T>& P, int64_t b, int64_t h0, int64_t kvh, const int64_t* rows,
-                int64_t n, std::vector<float>& scores) {
-  const int64_t D = P.head_dim, padded = (n + 7) / 8 * 8;
-  alignas(32) float qf[kMaxGroup * kMaxHeadDim];
-  for (int g = 0; g < NG; ++g) {
-    const TQ* q = P.q + b * P.q_stride_seq + (h0 + g) * P.q_stride_head;
-    for (int64_t c = 0; c < D; c += 8)
-      _mm256_storeu_ps(qf + g * D + c, _mm256_mul_ps(load8(q + c), _mm256_set1_ps(P.scale)));
+// out[r] (NG heads of D) = sum_j p[r][g * stride + j] v_j * inv_sum[r][g] over row r's keys
+// j < n[r] (n ascending): keys below n[0] are loaded once for all R rows, the later ones
+// continue each row's sums. Every output element is its own fma chain over j ascending; W
+// vectors of dimensions at a time, as many as keep the sums in registers.
+template <int NG, int R, typename T, typename TO>
+void pv(float* const* p, int64_t stride, const T* values, const int64_t* n, const int64_t* rows,
+        int64_t D, const float (*inv_sum)[NG], TO* const* out) {
+  constexpr int W = R * NG <= 4 ? 2 : 1;
+  for (int64_t c = 0; c < D; c += 8 * W) {
+    __m256 acc[R][NG][W];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 2
+        for (int w = 0; w < W; ++w) acc[r][g][w] = _mm256_setzero_ps();
+    pv_keys<NG, R, W>(p, stride, values, rows, 0, n[0], c, acc);
+    for (int r = 1; r < R; ++r) {  // the later rows' own keys, one row at a time
+      __m256 one[1][NG][W];
+      for (int g = 0; g < NG; ++g)
+        for (int w = 0; w < W; ++w) one[0][g][w] = acc[r][g][w];
+      pv_keys<NG, 1, W>(p + r, stride, values, rows, n[0], n[r], c, one);
+      for (int g = 0; g < NG; ++g)
+        for (int w = 0; w < W; ++w) acc[r][g][w] = one[0][g][w];
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 2
+        for (int w = 0; w < W; ++w)
+          store8(out[r] + g * D + c + 8 * w,
+                 _mm256_mul_ps(acc[r][g][w], _mm256_set1_ps(inv_sum[r][g])));
   }
-  scores.assign(NG * padded, -std::numeric_limits<float>::infinity());
+}
+
+// Query heads [h0, h0 + NG) of R consecutive rows b0.. of one sequence (row b0 + r sees keys
+// [0, n[r]), n ascending; without a window all rows start at key 0), all of KV head kvh.
+template <int NG, int R, typename TQ, typename T>
+void head_group(const Problem<TQ, T>& P, int64_t b0, const int64_t* n, int64_t h0, int64_t kvh,
+                const int64_t* rows, std::vector<float>& scores) {
+  const int64_t D = P.head_dim, stride = (n[R - 1] + 7) / 8 * 8;
+  alignas(32) float qbuf[R][kMaxGroup * kMaxHeadDim];
+  const float* qf[R];
+  float* sc[R];
+  TQ* out[R];
+  scores.assign(R * NG * stride, -std::numeric_limits<float>::infinity());
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < NG; ++g) {
+      const TQ* q = P.q + (b0 + r) * P.q_stride_seq + (h0 + g) * P.q_stride_head;
+      for (int64_t c = 0; c < D; c += 8)
+        _mm256_storeu_ps(qbuf[r] + g * D + c,
+                         _mm256_mul_ps(load8(q + c), _mm256_set1_ps(P.scale)));
+    }
+    qf[r] = qbuf[r];
+    sc[r] = scores.data() + r * NG * stride;
+    out[r] = P.out + ((b0 + r) * P.num_heads + h0) * D;
+  }
   const T* layer = P.pool + kvh * P.p_head;
-  qk<NG>(qf, layer, layer + P.p_kv, rows, n, D, scores.data(), padded);
-  float inv_sum[NG];
-  for (int g = 0; g < NG; ++g)
-    inv_sum[g] = 1.0f / softmax_numerators(scores.data() + g * padded, padded);
-  pv<NG>(scores.data(), padded, layer + P.p_kv, rows, n, D, inv_sum,
-         P.out + (b * P.num_heads + h0) * D);
+  qk<NG, R>(qf, layer, layer + P.p_kv, rows, 0, n[0], D, sc, stride);
+  for (int r = 1; r < R; ++r)  // keys only the later rows see
+    qk<NG, 1>(qf + r, layer, layer + P.p_kv, rows, n[0], n[r], D, sc + r, stride);
+  float inv_sum[R][NG];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g)
+      inv_sum[r][g] = 1.0f / softmax_numerators(sc[r] + g * stride, (n[r] + 7) / 8 * 8);
+  pv<NG, R>(sc, stride, layer + P.p_kv, n, rows, D, inv_sum, out);
 }
 
 // Row `row`'s new K/V (head kvh) into its slot, converted to the pool's element type.
@@ -172,46 +232,93 @@ void store_new_kv(const Problem<TQ, T>& P, int64_t row, int64_t kvh) {
   }
 }
 
+// Calls f(std::integral_constant<int, count>) for count = 1 .. kMaxRun (at most 8 / NG).
+template <int NG, typename F>
+inline void dispatch_run(int64_t count, F&& f) {
+  if constexpr (NG <= 2) {
+    if (count == 4) return f(std::integral_constant<int, 4>{});
+    if (count == 3) return f(std::integral_constant<int, 3>{});
+  }
+  if (count >= 2) return f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 1>{});
+}
+
+// A run of query rows: `count` consecutive rows from `first`, of one sequence, each one
+// position after the previous (a prompt chunk's rows; a decode row is a run of one).
+struct Run {
+  int64_t first, count;
+};
+
 template <typename TQ, typename T>
-void item(const Problem<TQ, T>& P, int64_t b, int64_t kvh, std::vector<int64_t>& rows,
+void item(const Problem<TQ, T>& P, Run run, int64_t kvh, std::vector<int64_t>& rows,
           std::vector<float>& scores) {
-  const int64_t len = P.lens[b];
+  const int64_t last = run.first + run.count - 1, len = P.lens[last];
   const int64_t start = P.window > 0 ? std::max<int64_t>(0, len - P.window) : 0;
   const int64_t n = len - start;
   rows.resize(n);
   // Element offset of key j's K row (V is p_kv further), walking pages and slots without a
   // division per key (two integer divisions per key were ~40% of a "small" item's time).
-  const int64_t* pages = P.table + P.seq(b) * P.table_stride;
+  const int64_t* pages = P.table + P.seq(last) * P.table_stride;
   int64_t page = start / P.page_size, slot = start % P.page_size;
   for (int64_t j = 0; j < n; ++j) {
     rows[j] = pages[page] * P.p_page + slot * P.p_token;
     if (++slot == P.page_size) slot = 0, ++page;
   }
+  int64_t lens[kMaxRun];  // keys each row sees (runs only form without a window)
+  for (int64_t r = 0; r < run.count; ++r) lens[r] = P.lens[run.first + r] - start;
   const int64_t group = P.num_heads / P.num_kv_heads;
   for (int64_t g = 0; g < group;) {
     const int64_t h0 = kvh * group + g, left = group - g;
-    if (left >= 4) { head_group<4>(P, b, h0, kvh, rows.data(), n, scores); g += 4; }
-    else if (left >= 2) { head_group<2>(P, b, h0, kvh, rows.data(), n, scores); g += 2; }
-    else { head_group<1>(P, b, h0, kvh, rows.data(), n, scores); g += 1; }
+    const auto heads = [&](auto ng) {
+      constexpr int NG = decltype(ng)::value;
+      for (int64_t r = 0; r < run.count;) {
+        dispatch_run<NG>(run.count - r, [&](auto rr) {
+          head_group<NG, decltype(rr)::value>(P, run.first + r, lens + r, h0, kvh, rows.data(),
+                                              scores);
+          r += decltype(rr)::value;
+        });
+      }
+      g += NG;
+    };
+    if (left >= 4) heads(std::integral_constant<int, 4>{});
+    else if (left >= 2) heads(std::integral_constant<int, 2>{});
+    else heads(std::integral_constant<int, 1>{});
   }
+}
+
+// Rows in runs of at most kMaxRun (see Run); every row of a sliding-window model is its own
+// run (its keys start at its own window).
+template <typename TQ, typename T>
+std::vector<Run> row_runs(const Problem<TQ, T>& P, int64_t num_rows) {
+  std::vector<Run> runs;
+  for (int64_t b = 0; b < num_rows; ++b) {
+    Run* cur = runs.empty() ? nullptr : &runs.back();
+    const bool joins = cur != nullptr && P.window == 0 && cur->count < kMaxRun &&
+                       P.seq(b) == P.seq(b - 1) && P.lens[b] == P.lens[b - 1] + 1;
+    if (joins) ++cur->count;
+    else runs.push_back(Run{b, 1});
+  }
+  return runs;
 }
 
 template <typename TQ, typename T>
 void run(const Problem<TQ, T>& P, int64_t num_rows) {
   int64_t num_keys = 0;
   for (int64_t b = 0; b < num_rows; ++b) num_keys += P.lens[b];
-  const int64_t items = num_rows * P.num_kv_heads;
   const int64_t macs = 2 * num_keys * P.num_heads * P.head_dim;
-  const int64_t grain = macs < kMinParallelMacs ? items : 1;
   if (P.new_kv != nullptr) {  // every row's keys are in place before any row reads them
-    at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    const int64_t items = num_rows * P.num_kv_heads;
+    at::parallel_for(0, items, macs < kMinParallelMacs ? items : 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) store_new_kv(P, i / P.num_kv_heads, i % P.num_kv_heads);
     });
   }
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+  const std::vector<Run> runs = row_runs(P, num_rows);
+  const int64_t items = static_cast<int64_t>(runs.size()) * P.num_kv_heads;
+  at::parallel_for(0, items, macs < kMinParallelMacs ? items : 1, [&](int64_t i0, int64_t i1) {
     std::vector<int64_t> rows;
     std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) item(P, i / P.num_kv_heads, i % P.num_kv_heads, rows, scores);
+    for (int64_t i = i0; i < i1; ++i)
+      item(P, runs[i / P.num_kv_heads], i % P.num_kv_heads, rows, scores);
   });
 }
 

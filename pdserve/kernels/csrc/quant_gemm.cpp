@@ -1,20 +1,24 @@
 // float32 rows times GGUF block-quantized weights kept packed (quant_layout.h), float32 out.
 //
-// One reduction order per output element, whatever the batch: y[m, n] = bias[n] + the fma
-// chain acc = fma(w[k, n], x[m, k], acc) over k = 0..K-1 in order, with w[k, n] dequantized by
-// for_each_k (one formula per type). Row counts, row grouping and thread counts only change
-// which thread computes an element and when, never its arithmetic, so a token's result does not
-// depend on its batch mates. Activations stay float32 (not requantized to 8 bits as llama.cpp
-// does).
+// One reduction order per output element, whatever the batch. For the scaled types, per
+// sub-block j of inputs (k ascending, kSub of them, sharing the column's scale s_j and offset
+// b_j): a = the fma chain of q[k] * x[k] from 0, then acc = fma(a, s_j, acc) and, where the type
+// has offsets, acc = fma(xs_j, b_j, acc) with xs_j the row's sum of those x (added in order);
+// the float types (F32/F16/BF16) are one fma chain of w[k] * x[k]; y = acc + bias. Keeping the
+// scales out of the inner loop leaves it a conversion and one fma per weight. Row counts, row
+// grouping, panel pairing and thread counts only change which thread computes an element and
+// when, never its arithmetic, so a token's result does not depend on its batch mates.
+// Activations stay float32 (not requantized to 8 bits as llama.cpp does).
 //
 // Two ways through a panel, chosen by the number of row groups (groups of at most 6 rows, as
-// in bf16_gemm.cpp), with identical arithmetic:
-// - streaming (decode, at most 2 groups): for each group, each record is dequantized in
-//   registers and used at once; the packed bytes stream from memory once per call (a second
-//   group re-reads the panel from cache), prefetched a record ahead;
-// - panel (prefill): the whole panel is unpacked once into a per-thread float32 buffer
-//   (K x 16, in L2) and every group runs over it, so unpacking is amortised over the rows.
-// Threads take chunks of panels from a shared counter (see bf16_gemm.cpp's run() for why).
+// in dense_gemm.cpp), with identical arithmetic:
+// - streaming (decode, at most 2 groups): each group reads the packed records and converts
+//   them in registers (a second group re-reads the panel from cache), a record prefetched
+//   ahead; groups of 1 or 2 rows walk two panels side by side, so one row's few accumulator
+//   chains do not leave the FMA units waiting on their latency;
+// - unpacked (prefill): the panel's quants, scales and offsets are converted once into a
+//   per-thread float32 buffer (K x 16, in L2) and every group runs over it.
+// Threads take chunks of panels from a shared counter (see dense_gemm.cpp's run() for why).
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -28,68 +32,153 @@ namespace {
 
 using namespace quant;
 
-constexpr int64_t kMaxRows = 6;          // rows per group (12 accumulators + 2 weights + 1 input)
+constexpr int64_t kMaxRows = 6;          // rows per group
 constexpr int64_t kMaxStreamGroups = 2;  // up to 12 rows: stream the packed panel per group
-
-// Both paths below update MR rows' accumulators (named variables: GCC spills arrays of
-// vectors) with one k's 16 weights w0, w1 and that k's inputs xk (MR floats) the same way.
-#define PD_ROW(xk, i)                                      \
-  if constexpr (MR > i) {                                  \
-    const __m256 xv = _mm256_broadcast_ss((xk) + i);       \
-    c##i##0 = _mm256_fmadd_ps(w0, xv, c##i##0);            \
-    c##i##1 = _mm256_fmadd_ps(w1, xv, c##i##1);            \
-  }
-#define PD_ROWS(xk) \
-  PD_ROW(xk, 0) PD_ROW(xk, 1) PD_ROW(xk, 2) PD_ROW(xk, 3) PD_ROW(xk, 4) PD_ROW(xk, 5)
-#define PD_ACCUMULATORS                                    \
-  const __m256 z = _mm256_setzero_ps();                    \
-  __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z; \
-  __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
-#define PD_STORE(i)                                                               \
-  if constexpr (MR > i) {                                                         \
-    _mm256_store_ps(tmp, _mm256_add_ps(c##i##0, _mm256_load_ps(bias16)));         \
-    _mm256_store_ps(tmp + 8, _mm256_add_ps(c##i##1, _mm256_load_ps(bias16 + 8))); \
-    std::memcpy(y + i * ldy, tmp, n * sizeof(float));                             \
-  }
-#define PD_FINISH                                                                 \
-  alignas(32) float tmp[kPanel];                                                  \
-  PD_STORE(0) PD_STORE(1) PD_STORE(2) PD_STORE(3) PD_STORE(4) PD_STORE(5)
+constexpr int64_t kOffsetSub = 32;       // the sub-block of every type with offsets
 
 inline void prefetch_record(const uint8_t* rec, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(rec) + off, _MM_HINT_T0);
 }
 
-// Streaming: MR rows times one packed panel, each record dequantized in registers and used at
-// once. `x` is the group's inputs, (K, MR).
-template <int MR, int64_t T>
-inline void stream_rows(const float* x, int64_t K, const uint8_t* panel, const Layout& lay,
-                        const float* bias16, float* y, int64_t ldy, int64_t n) {
-  PD_ACCUMULATORS
-  for (int64_t k0 = 0; k0 < K; k0 += lay.block_k, panel += lay.record_bytes) {
-    prefetch_record(panel + lay.record_bytes, lay.record_bytes);  // next record (or panel)
-    const float* xb = x + k0 * MR;
-    for_each_k<T>(panel, [&](int64_t k, __m256 w0, __m256 w1) { PD_ROWS(xb + k * MR) });
+// A panel as its packed records, converted in registers as they are read.
+template <int64_t T>
+struct PackedPanel {
+  using D = Dequant<T>;
+  const uint8_t* panel;
+  int64_t record_bytes;
+  const uint8_t* rec = nullptr;
+  int64_t k_base = 0, j = 0;
+
+  void begin_sub(int64_t k0) {
+    const int64_t block = k0 / D::kBlock;
+    rec = panel + block * record_bytes;
+    k_base = block * D::kBlock;
+    j = (k0 - k_base) / D::kSub;
+    if (j == 0) prefetch_record(rec + record_bytes, record_bytes);  // the next record
   }
-  PD_FINISH
+  void quants(int64_t k, __m256& q0, __m256& q1) const { D::quants(rec, k - k_base, q0, q1); }
+  void scales(__m256& s0, __m256& s1) const {
+    if constexpr (D::kScaled) D::scales(rec, j, s0, s1);
+  }
+  void offsets(__m256& b0, __m256& b1) const {
+    if constexpr (D::kOffset) D::offsets(rec, j, b0, b1);
+  }
+};
+
+// A panel converted once (unpack): quants (K, 16), scales and offsets (K / kSub, 16).
+struct UnpackedPanel {
+  const float *q, *s, *b;
+  int64_t sub, j = 0;
+
+  void begin_sub(int64_t k0) { j = k0 / sub; }
+  void quants(int64_t k, __m256& q0, __m256& q1) const {
+    q0 = _mm256_loadu_ps(q + k * kPanel), q1 = _mm256_loadu_ps(q + k * kPanel + 8);
+  }
+  void scales(__m256& s0, __m256& s1) const {
+    s0 = _mm256_loadu_ps(s + j * kPanel), s1 = _mm256_loadu_ps(s + j * kPanel + 8);
+  }
+  void offsets(__m256& b0, __m256& b1) const {
+    b0 = _mm256_loadu_ps(b + j * kPanel), b1 = _mm256_loadu_ps(b + j * kPanel + 8);
+  }
+};
+
+template <int64_t T>
+void unpack(const uint8_t* panel, int64_t K, int64_t record_bytes, float* q, float* s, float* b) {
+  using D = Dequant<T>;
+  PackedPanel<T> src{panel, record_bytes};
+  for (int64_t k0 = 0; k0 < K; k0 += D::kSub) {
+    src.begin_sub(k0);
+    for (int64_t k = k0; k < k0 + D::kSub; ++k) {
+      __m256 q0, q1;
+      src.quants(k, q0, q1);
+      _mm256_storeu_ps(q + k * kPanel, q0);
+      _mm256_storeu_ps(q + k * kPanel + 8, q1);
+    }
+    __m256 v0 = _mm256_setzero_ps(), v1 = v0, o0 = v0, o1 = v0;
+    src.scales(v0, v1);
+    src.offsets(o0, o1);
+    const int64_t j = k0 / D::kSub;
+    _mm256_storeu_ps(s + j * kPanel, v0), _mm256_storeu_ps(s + j * kPanel + 8, v1);
+    _mm256_storeu_ps(b + j * kPanel, o0), _mm256_storeu_ps(b + j * kPanel + 8, o1);
+  }
 }
 
-// Panel: MR rows times a panel already unpacked to float32, w (K, 16).
-template <int MR>
-inline void unpacked_rows(const float* x, int64_t K, const float* w, const float* bias16,
-                          float* y, int64_t ldy, int64_t n) {
-  PD_ACCUMULATORS
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
-    PD_ROWS(x + k * MR)
+// MR rows (inputs x (K, MR), sub-block sums xs (K / 32, MR)) times NP panels read through
+// src[0..NP): the arithmetic in the header comment.
+template <int64_t T, int MR, int NP, typename Src>
+inline void rows_times_panels(const float* x, const float* xs, int64_t K, Src* src,
+                              const float* const* bias16, float* const* y, int64_t ldy,
+                              const int64_t* n) {
+  using D = Dequant<T>;
+  static_assert(!D::kOffset || D::kSub == kOffsetSub);
+  const __m256 z = _mm256_setzero_ps();
+  __m256 acc[NP][MR][2];
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[p][i][0] = acc[p][i][1] = z;
+  for (int64_t k0 = 0; k0 < K; k0 += D::kSub) {
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) src[p].begin_sub(k0);
+    __m256 blk[NP][MR][2];  // the sub-block's sums (the float types: the whole sums)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        blk[p][i][0] = D::kScaled ? z : acc[p][i][0];
+        blk[p][i][1] = D::kScaled ? z : acc[p][i][1];
+      }
+    for (int64_t k = k0; k < k0 + D::kSub; ++k) {
+      __m256 q[NP][2];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) src[p].quants(k, q[p][0], q[p][1]);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + k * MR + i);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          blk[p][i][0] = _mm256_fmadd_ps(q[p][0], xv, blk[p][i][0]);
+          blk[p][i][1] = _mm256_fmadd_ps(q[p][1], xv, blk[p][i][1]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      if constexpr (!D::kScaled) {
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) acc[p][i][0] = blk[p][i][0], acc[p][i][1] = blk[p][i][1];
+        continue;
+      }
+      __m256 s0, s1;
+      src[p].scales(s0, s1);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        acc[p][i][0] = _mm256_fmadd_ps(blk[p][i][0], s0, acc[p][i][0]);
+        acc[p][i][1] = _mm256_fmadd_ps(blk[p][i][1], s1, acc[p][i][1]);
+      }
+      if constexpr (D::kOffset) {
+        __m256 b0, b1;
+        src[p].offsets(b0, b1);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xsv = _mm256_broadcast_ss(xs + (k0 / kOffsetSub) * MR + i);
+          acc[p][i][0] = _mm256_fmadd_ps(xsv, b0, acc[p][i][0]);
+          acc[p][i][1] = _mm256_fmadd_ps(xsv, b1, acc[p][i][1]);
+        }
+      }
+    }
   }
-  PD_FINISH
+  alignas(32) float tmp[kPanel];
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      _mm256_store_ps(tmp, _mm256_add_ps(acc[p][i][0], _mm256_load_ps(bias16[p])));
+      _mm256_store_ps(tmp + 8, _mm256_add_ps(acc[p][i][1], _mm256_load_ps(bias16[p] + 8)));
+      std::memcpy(y[p] + i * ldy, tmp, n[p] * sizeof(float));
+    }
 }
-#undef PD_ROW
-#undef PD_ROWS
-#undef PD_ACCUMULATORS
-#undef PD_STORE
-#undef PD_FINISH
 
 // Calls kernel(std::integral_constant<int, rows>) for rows 1..6.
 template <typename Kernel>
@@ -106,23 +195,32 @@ inline void dispatch_rows(int64_t rows, Kernel&& kernel) {
 
 struct RowGroup {
   int64_t first, rows;
-  const float* x;  // (K, rows)
+  const float* x;   // (K, rows)
+  const float* xs;  // (K / 32, rows): sums of each 32 inputs, in order
 };
 
-// Balanced groups of at most 6 rows, inputs copied side by side (see bf16_gemm.cpp's
+// Balanced groups of at most 6 rows, inputs copied side by side (see dense_gemm.cpp's
 // row_groups: one k's broadcasts share a cache line, and rows K floats apart would evict each
-// other from one L1 set). A single row is used in place.
+// other from one L1 set), and each group's sub-block sums.
 std::vector<RowGroup> row_groups(const float* x, int64_t M, int64_t K, std::vector<float>& buf) {
-  if (M == 1) return {RowGroup{0, 1, x}};
-  const int64_t num_groups = (M + kMaxRows - 1) / kMaxRows;
+  const int64_t num_groups = (M + kMaxRows - 1) / kMaxRows, subs = K / kOffsetSub;
   std::vector<RowGroup> groups;
-  buf.resize(M * K);
+  buf.resize(M * (K + subs));
+  float* xs_all = buf.data() + M * K;
   for (int64_t g = 0, m = 0; g < num_groups; ++g) {
     const int64_t rows = (M - m + (num_groups - g) - 1) / (num_groups - g);
     float* dst = buf.data() + m * K;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = x[(m + r) * K + k];
-    groups.push_back(RowGroup{m, rows, dst});
+    float* xs = xs_all + m * subs;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = x + (m + r) * K;
+      for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = row[k];
+      for (int64_t j = 0; j < subs; ++j) {
+        float sum = 0.0f;
+        for (int64_t k = j * kOffsetSub; k < (j + 1) * kOffsetSub; ++k) sum += row[k];
+        xs[j * rows + r] = sum;
+      }
+    }
+    groups.push_back(RowGroup{m, rows, dst, xs});
     m += rows;
   }
   return groups;
@@ -135,39 +233,75 @@ struct Part {
   Layout lay;
 };
 
+// Panel p's column range and its 16 bias values (zero-padded).
+struct PanelCols {
+  int64_t col, n;
+  alignas(32) float bias16[kPanel];
+  PanelCols(const Part& part, int64_t p, const float* bias)
+      : col(part.col0 + p * kPanel), n(std::min(kPanel, part.N - p * kPanel)), bias16{} {
+    if (bias != nullptr) std::memcpy(bias16, bias + col, n * sizeof(float));
+  }
+};
+
+// Panels p .. p + np - 1 (np: 1, or 2 to pair them) of one part times every row group.
 template <int64_t T>
-void run_panel(const Part& part, int64_t p, int64_t K, const std::vector<RowGroup>& groups,
-               const float* bias, float* y, int64_t ldy, std::vector<float>& scratch) {
-  const Layout lay = part.lay;
-  const uint8_t* panel = part.packed + p * (K / lay.block_k) * lay.record_bytes;
-  const int64_t col = part.col0 + p * kPanel, n = std::min(kPanel, part.N - p * kPanel);
-  alignas(32) float bias16[kPanel] = {};
-  if (bias != nullptr) std::memcpy(bias16, bias + col, n * sizeof(float));
+void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
+                const std::vector<RowGroup>& groups, const float* bias, float* y, int64_t ldy,
+                std::vector<float>& scratch) {
+  using D = Dequant<T>;
+  const int64_t panel_bytes = (K / part.lay.block_k) * part.lay.record_bytes;
   const bool streaming = static_cast<int64_t>(groups.size()) <= kMaxStreamGroups;
-  for (const RowGroup& g : groups) {
-    float* yg = y + g.first * ldy + col;
-    if (streaming) {
+  if (streaming) {
+    for (const RowGroup& g : groups) {
+      for (int64_t first = 0; first < np;) {
+        const int64_t count = (g.rows <= 2 && np - first == 2) ? 2 : 1;
+        const uint8_t* packed = part.packed + (p + first) * panel_bytes;
+        PackedPanel<T> src[2] = {{packed, part.lay.record_bytes},
+                                 {packed + panel_bytes, part.lay.record_bytes}};
+        const PanelCols a(part, p + first, bias);
+        const PanelCols b(part, p + first + count - 1, bias);
+        const float* bias16[2] = {a.bias16, b.bias16};
+        float* ys[2] = {y + g.first * ldy + a.col, y + g.first * ldy + b.col};
+        const int64_t ns[2] = {a.n, b.n};
+        dispatch_rows(g.rows, [&](auto mr) {
+          constexpr int MR = decltype(mr)::value;
+          if constexpr (MR <= 2) {
+            if (count == 2) {
+              rows_times_panels<T, MR, 2>(g.x, g.xs, K, src, bias16, ys, ldy, ns);
+              return;
+            }
+          }
+          rows_times_panels<T, MR, 1>(g.x, g.xs, K, src, bias16, ys, ldy, ns);
+        });
+        first += count;
+      }
+    }
+    return;
+  }
+  for (int64_t i = 0; i < np; ++i) {  // unpack each panel once for all groups
+    const int64_t subs = K / D::kSub;
+    scratch.resize((K + 2 * subs) * kPanel);
+    float* q = scratch.data();
+    unpack<T>(part.packed + (p + i) * panel_bytes, K, part.lay.record_bytes, q, q + K * kPanel,
+              q + (K + subs) * kPanel);
+    UnpackedPanel src{q, q + K * kPanel, q + (K + subs) * kPanel, D::kSub};
+    const PanelCols a(part, p + i, bias);
+    const float* bias16[1] = {a.bias16};
+    for (const RowGroup& g : groups) {
+      float* ys[1] = {y + g.first * ldy + a.col};
       dispatch_rows(g.rows, [&](auto mr) {
-        stream_rows<decltype(mr)::value, T>(g.x, K, panel, lay, bias16, yg, ldy, n);
+        rows_times_panels<T, decltype(mr)::value, 1>(g.x, g.xs, K, &src, bias16, ys, ldy, &a.n);
       });
-      continue;
     }
-    if (&g == &groups.front()) {  // unpack the whole panel once for all groups
-      scratch.resize(K * kPanel);
-      for (int64_t b = 0; b < K / lay.block_k; ++b)
-        unpack_record<T>(panel + b * lay.record_bytes, scratch.data() + b * lay.block_k * kPanel);
-    }
-    dispatch_rows(g.rows, [&](auto mr) {
-      unpacked_rows<decltype(mr)::value>(g.x, K, scratch.data(), bias16, yg, ldy, n);
-    });
   }
 }
 
-void run_panel_of(const Part& part, int64_t p, int64_t K, const std::vector<RowGroup>& groups,
-                  const float* bias, float* y, int64_t ldy, std::vector<float>& scratch) {
+void run_panels_of(const Part& part, int64_t p, int64_t np, int64_t K,
+                   const std::vector<RowGroup>& groups, const float* bias, float* y, int64_t ldy,
+                   std::vector<float>& scratch) {
   switch (part.type) {
 #define PD_TYPE(t) \
-    case t: run_panel<t>(part, p, K, groups, bias, y, ldy, scratch); break;
+    case t: run_panels<t>(part, p, np, K, groups, bias, y, ldy, scratch); break;
     PD_TYPE(F32) PD_TYPE(F16) PD_TYPE(BF16) PD_TYPE(Q8_0) PD_TYPE(Q4_0) PD_TYPE(Q4_1)
     PD_TYPE(Q5_0) PD_TYPE(Q5_1) PD_TYPE(Q4_K) PD_TYPE(Q5_K) PD_TYPE(Q6_K)
 #undef PD_TYPE
@@ -217,16 +351,21 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& pack
   float* yp = y.data_ptr<float>();
   const int64_t threads = std::clamp<int64_t>(panels / kMinPanelsPerThread, 1,
                                               at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(1, panels / (threads * kChunksPerThread));
+  // Even chunks, so panels pair up (see run_panels).
+  const int64_t chunk = std::max<int64_t>(2, panels / (threads * kChunksPerThread) / 2 * 2);
   const int64_t num_chunks = (panels + chunk - 1) / chunk;
   std::atomic<int64_t> next_chunk{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     for (int64_t c; (c = next_chunk.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
-      for (int64_t gp = c * chunk, end = std::min(panels, gp + chunk); gp < end; ++gp) {
+      for (int64_t gp = c * chunk, end = std::min(panels, gp + chunk); gp < end;) {
         const size_t i = std::upper_bound(first_panel.begin(), first_panel.end(), gp) -
                          first_panel.begin() - 1;
-        run_panel_of(parts[i], gp - first_panel[i], K, groups, bp, yp, N, scratch);
+        // Two panels at once where both are in this chunk and this part.
+        const int64_t p = gp - first_panel[i], part_panels = (parts[i].N + kPanel - 1) / kPanel;
+        const int64_t np = gp + 1 < end && p + 1 < part_panels ? 2 : 1;
+        run_panels_of(parts[i], p, np, K, groups, bp, yp, N, scratch);
+        gp += np;
       }
     }
   });

@@ -1,5 +1,5 @@
 // The packed layout of GGUF block-quantized weights (quant_pack.cpp writes it, quant_gemm.cpp
-// reads it) and the one routine that dequantizes a packed block, for_each_k.
+// reads it) and the one place each type's quants, scales and offsets are read (Dequant).
 //
 // A weight of N output columns is packed as panels of 16 columns (like bf16_gemm.cpp); each
 // panel is a run of records, one per GGUF block along K (32 or 256 inputs), holding that block
@@ -14,11 +14,14 @@
 // Sizes equal the GGUF bytes except Q4_K/Q5_K (+2.8%/+2.3%: their 6-bit scales and mins are
 // widened to bytes, so unpacking needs no bit shuffling).
 //
-// Numerics: every weight is dequantized by one formula, w = fma(q, s, b) with s and b the
-// column's sub-block scale and offset (Q8_0: w = q * s), in float32. For every type here that
-// equals gguf's reference dequantization bit for bit: the products d * sc, dmin * m and s * q are
-// exact in float32 (at most 11 + 8 + 6 significant bits), so the fused result rounds once, as
-// the reference does.
+// Numerics: a weight is w = s * q + b, with s and b its column's sub-block scale and offset
+// (b = 0 for Q8_0; the symmetric types' offsets, Q4_0's -8, Q5_0's -16 and Q6_K's -32, are
+// taken off q as integers). The matmul (quant_gemm.cpp) keeps the scale and offset out of the
+// inner loop: per sub-block it sums q * x, then scales the sum and adds b times the sum of x.
+// Every q, s and b is exact in float32 (the products d * sc and dmin * m have at most 11 + 8
+// significant bits), so a row that is a unit vector gives gguf's reference dequantization bit
+// for bit: s * q needs at most 11 + 8 + 6 bits and the one addition of b rounds once, as the
+// reference's does.
 #pragma once
 
 #include <cstdint>
@@ -78,35 +81,6 @@ inline void nibbles16(const uint8_t* p, __m256i& lo, __m256i& hi) {
   hi = _mm256_srli_epi32(v, 4);
 }
 
-// Weights fma(q, s, b) of one k, handed to f(k, w0, w1) (columns 0-7, 8-15).
-template <typename F>
-inline void emit16(F& f, int64_t k, __m256i q0, __m256i q1, __m256 s0, __m256 s1, __m256 b0,
-                   __m256 b1) {
-  f(k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), s0, b0),
-    _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), s1, b1));
-}
-
-// 4-bit quants of k0 .. k0 + count from `nib` (the record's plane) with one scale/offset pair.
-template <typename F>
-inline void emit_nibbles(F& f, const uint8_t* nib, int64_t k0, int64_t count, __m256 s0,
-                         __m256 s1, __m256 b0, __m256 b1) {
-  for (int64_t k = k0; k < k0 + count; ++k) {
-    __m256i lo, hi;
-    nibbles16(nib + k * 8, lo, hi);
-    emit16(f, k, lo, hi, s0, s1, b0, b1);
-  }
-}
-
-// Q4_K/Q5_K's sub-block j: s = d * sc_j, b = -(dmin * m_j).
-inline void kquant_scales(const uint8_t* rec, int64_t j, __m256& s0, __m256& s1, __m256& b0,
-                          __m256& b1) {
-  const __m256 zero = _mm256_setzero_ps();
-  s0 = _mm256_mul_ps(f16x8(rec), u8x8(rec + 64 + j * 16));
-  s1 = _mm256_mul_ps(f16x8(rec + 16), u8x8(rec + 64 + j * 16 + 8));
-  b0 = _mm256_sub_ps(zero, _mm256_mul_ps(f16x8(rec + 32), u8x8(rec + 192 + j * 16)));
-  b1 = _mm256_sub_ps(zero, _mm256_mul_ps(f16x8(rec + 48), u8x8(rec + 192 + j * 16 + 8)));
-}
-
 // Each lane's high bits of a shared bit field: left by the lane's count, right by R, masked
 // (the shift brings lower columns' bits along).
 template <int R>
@@ -114,95 +88,164 @@ inline __m256i high_bits(__m256i h, __m256i up, __m256i mask) {
   return _mm256_and_si256(_mm256_srli_epi32(_mm256_sllv_epi32(h, up), R), mask);
 }
 
-// 4-bit quants plus a fifth bit per column (a uint16 per k, bit c for column c).
-template <typename F>
-inline void emit_5bit(F& f, const uint8_t* nib, const uint16_t* high, int64_t k0, int64_t count,
-                      __m256 s0, __m256 s1, __m256 b0, __m256 b1) {
+// The fifth bit of 16 columns' quants (a uint16, bit c for column c) into bit 4 of each lane.
+inline void add_fifth_bit(uint16_t high, __m256i& lo, __m256i& hi) {
   const __m256i up0 = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);  // bit c -> 31
   const __m256i up1 = _mm256_setr_epi32(23, 22, 21, 20, 19, 18, 17, 16);
-  const __m256i bit4 = _mm256_set1_epi32(0x10);
-  for (int64_t k = k0; k < k0 + count; ++k) {
-    __m256i lo, hi;
-    nibbles16(nib + k * 8, lo, hi);
-    const __m256i h = _mm256_set1_epi32(high[k]);
-    lo = _mm256_or_si256(lo, high_bits<27>(h, up0, bit4));
-    hi = _mm256_or_si256(hi, high_bits<27>(h, up1, bit4));
-    emit16(f, k, lo, hi, s0, s1, b0, b1);
-  }
+  const __m256i bit4 = _mm256_set1_epi32(0x10), h = _mm256_set1_epi32(high);
+  lo = _mm256_or_si256(lo, high_bits<27>(h, up0, bit4));
+  hi = _mm256_or_si256(hi, high_bits<27>(h, up1, bit4));
 }
 
-// Calls f(k, w0, w1) for k = 0 .. block_k - 1 of one record, in order, with the 16 columns'
-// float32 weights: the one place weights are dequantized (both matmul paths go through it).
-template <int64_t T, typename F>
-inline void for_each_k(const uint8_t* rec, F&& f) {
-  if constexpr (T == F32) {
-    const float* v = reinterpret_cast<const float*>(rec);
-    for (int64_t k = 0; k < 32; ++k)
-      f(k, _mm256_loadu_ps(v + k * 16), _mm256_loadu_ps(v + k * 16 + 8));
-  } else if constexpr (T == F16) {
-    for (int64_t k = 0; k < 32; ++k) f(k, f16x8(rec + k * 32), f16x8(rec + k * 32 + 16));
-  } else if constexpr (T == BF16) {
-    const uint16_t* v = reinterpret_cast<const uint16_t*>(rec);
-    for (int64_t k = 0; k < 32; ++k) f(k, bf16x8(v + k * 16), bf16x8(v + k * 16 + 8));
-  } else if constexpr (T == Q8_0) {
-    const __m256 s0 = f16x8(rec), s1 = f16x8(rec + 16);
-    for (int64_t k = 0; k < 32; ++k)
-      f(k, _mm256_mul_ps(i8x8(rec + 32 + k * 16), s0), _mm256_mul_ps(i8x8(rec + 40 + k * 16), s1));
-  } else if constexpr (T == Q4_0) {
-    const __m256 s0 = f16x8(rec), s1 = f16x8(rec + 16), m8 = _mm256_set1_ps(-8.0f);
-    emit_nibbles(f, rec + 32, 0, 32, s0, s1, _mm256_mul_ps(s0, m8), _mm256_mul_ps(s1, m8));
-  } else if constexpr (T == Q4_1) {
-    emit_nibbles(f, rec + 64, 0, 32, f16x8(rec), f16x8(rec + 16), f16x8(rec + 32),
-                 f16x8(rec + 48));
-  } else if constexpr (T == Q4_K) {
-    for (int64_t j = 0; j < 8; ++j) {
-      __m256 s0, s1, b0, b1;
-      kquant_scales(rec, j, s0, s1, b0, b1);
-      emit_nibbles(f, rec + kKQuantNibbles, j * 32, 32, s0, s1, b0, b1);
-    }
-  } else if constexpr (T == Q5_0) {
-    const __m256 s0 = f16x8(rec), s1 = f16x8(rec + 16), m16 = _mm256_set1_ps(-16.0f);
-    emit_5bit(f, rec + 32, reinterpret_cast<const uint16_t*>(rec + 32 + 256), 0, 32, s0, s1,
-              _mm256_mul_ps(s0, m16), _mm256_mul_ps(s1, m16));
-  } else if constexpr (T == Q5_1) {
-    emit_5bit(f, rec + 64, reinterpret_cast<const uint16_t*>(rec + 64 + 256), 0, 32, f16x8(rec),
-              f16x8(rec + 16), f16x8(rec + 32), f16x8(rec + 48));
-  } else if constexpr (T == Q5_K) {
-    const uint16_t* high = reinterpret_cast<const uint16_t*>(rec + kQ5High);
-    for (int64_t j = 0; j < 8; ++j) {
-      __m256 s0, s1, b0, b1;
-      kquant_scales(rec, j, s0, s1, b0, b1);
-      emit_5bit(f, rec + kKQuantNibbles, high, j * 32, 32, s0, s1, b0, b1);
-    }
-  } else if constexpr (T == Q6_K) {
+// Integer quants minus a constant, as floats.
+inline void to_float(__m256i q0, __m256i q1, int offset, __m256& f0, __m256& f1) {
+  const __m256i c = _mm256_set1_epi32(offset);
+  f0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, c));
+  f1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, c));
+}
+inline void to_float(__m256i q0, __m256i q1, __m256& f0, __m256& f1) {
+  f0 = _mm256_cvtepi32_ps(q0);
+  f1 = _mm256_cvtepi32_ps(q1);
+}
+
+// Dequantizers: one per type, static reads of one record (columns 0-7 in the first vector,
+// 8-15 in the second). kBlock: inputs per record; kSub: inputs sharing one scale and offset.
+// kScaled false (F32/F16/BF16): quants() are the weights themselves. Otherwise quants(rec, k)
+// gives k's quants as floats, scales(rec, j) sub-block j's s, and where kOffset, offsets(rec,
+// j) its b (w = s * q + b; every offset type has kSub = 32).
+template <int64_t T>
+struct Dequant;
+
+struct Unscaled {
+  static constexpr int64_t kBlock = 32, kSub = 32;
+  static constexpr bool kScaled = false, kOffset = false;
+};
+struct Scaled32 {  // one scale (and offset) per block of 32, f16 at rec and rec + 32
+  static constexpr int64_t kBlock = 32, kSub = 32;
+  static constexpr bool kScaled = true;
+  static void scales(const uint8_t* rec, int64_t, __m256& s0, __m256& s1) {
+    s0 = f16x8(rec), s1 = f16x8(rec + 16);
+  }
+  static void offsets(const uint8_t* rec, int64_t, __m256& b0, __m256& b1) {
+    b0 = f16x8(rec + 32), b1 = f16x8(rec + 48);
+  }
+};
+struct KQuant {  // Q4_K/Q5_K: sub-block j's s = d * sc_j, b = -(dmin * m_j)
+  static constexpr int64_t kBlock = 256, kSub = 32;
+  static constexpr bool kScaled = true, kOffset = true;
+  static void scales(const uint8_t* rec, int64_t j, __m256& s0, __m256& s1) {
+    s0 = _mm256_mul_ps(f16x8(rec), u8x8(rec + 64 + j * 16));
+    s1 = _mm256_mul_ps(f16x8(rec + 16), u8x8(rec + 64 + j * 16 + 8));
+  }
+  static void offsets(const uint8_t* rec, int64_t j, __m256& b0, __m256& b1) {
+    const __m256 zero = _mm256_setzero_ps();
+    b0 = _mm256_sub_ps(zero, _mm256_mul_ps(f16x8(rec + 32), u8x8(rec + 192 + j * 16)));
+    b1 = _mm256_sub_ps(zero, _mm256_mul_ps(f16x8(rec + 48), u8x8(rec + 192 + j * 16 + 8)));
+  }
+};
+
+template <>
+struct Dequant<F32> : Unscaled {
+  static void quants(const uint8_t* rec, int64_t k, __m256& w0, __m256& w1) {
+    const float* v = reinterpret_cast<const float*>(rec) + k * 16;
+    w0 = _mm256_loadu_ps(v), w1 = _mm256_loadu_ps(v + 8);
+  }
+};
+template <>
+struct Dequant<F16> : Unscaled {
+  static void quants(const uint8_t* rec, int64_t k, __m256& w0, __m256& w1) {
+    w0 = f16x8(rec + k * 32), w1 = f16x8(rec + k * 32 + 16);
+  }
+};
+template <>
+struct Dequant<BF16> : Unscaled {
+  static void quants(const uint8_t* rec, int64_t k, __m256& w0, __m256& w1) {
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(rec) + k * 16;
+    w0 = bf16x8(v), w1 = bf16x8(v + 8);
+  }
+};
+template <>
+struct Dequant<Q8_0> : Scaled32 {
+  static constexpr bool kOffset = false;
+  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+    f0 = i8x8(rec + 32 + k * 16), f1 = i8x8(rec + 40 + k * 16);
+  }
+};
+template <>
+struct Dequant<Q4_0> : Scaled32 {
+  static constexpr bool kOffset = false;
+  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+    __m256i q0, q1;
+    nibbles16(rec + 32 + k * 8, q0, q1);
+    to_float(q0, q1, 8, f0, f1);
+  }
+};
+template <>
+struct Dequant<Q4_1> : Scaled32 {
+  static constexpr bool kOffset = true;
+  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+    __m256i q0, q1;
+    nibbles16(rec + 64 + k * 8, q0, q1);
+    to_float(q0, q1, f0, f1);
+  }
+};
+template <>
+struct Dequant<Q5_0> : Scaled32 {
+  static constexpr bool kOffset = false;
+  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+    __m256i q0, q1;
+    nibbles16(rec + 32 + k * 8, q0, q1);
+    add_fifth_bit(reinterpret_cast<const uint16_t*>(rec + 32 + 256)[k], q0, q1);
+    to_float(q0, q1, 16, f0, f1);
+  }
+};
+template <>
+struct Dequant<Q5_1> : Scaled32 {
+  static constexpr bool kOffset = true;
+  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+    __m256i q0, q1;
+    nibbles16(rec + 64 + k * 8, q0, q1);
+    add_fifth_bit(reinterpret_cast<const uint16_t*>(rec + 64 + 256)[k], q0, q1);
+    to_float(q0, q1, f0, f1);
+  }
+};
+template <>
+struct Dequant<Q4_K> : KQuant {
+  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+    __m256i q0, q1;
+    nibbles16(rec + kKQuantNibbles + k * 8, q0, q1);
+    to_float(q0, q1, f0, f1);
+  }
+};
+template <>
+struct Dequant<Q5_K> : KQuant {
+  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+    __m256i q0, q1;
+    nibbles16(rec + kKQuantNibbles + k * 8, q0, q1);
+    add_fifth_bit(reinterpret_cast<const uint16_t*>(rec + kQ5High)[k], q0, q1);
+    to_float(q0, q1, f0, f1);
+  }
+};
+template <>
+struct Dequant<Q6_K> {  // sub-blocks of 16: w = (d * sc_j) * (q - 32)
+  static constexpr int64_t kBlock = 256, kSub = 16;
+  static constexpr bool kScaled = true, kOffset = false;
+  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
     const __m256i up0 = _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16);  // bits 2c -> 30
     const __m256i up1 = _mm256_setr_epi32(14, 12, 10, 8, 6, 4, 2, 0);
     const __m256i bits45 = _mm256_set1_epi32(0x30);
-    const uint32_t* high = reinterpret_cast<const uint32_t*>(rec + kQ6High);
-    const __m256 d0 = f16x8(rec), d1 = f16x8(rec + 16), m32 = _mm256_set1_ps(-32.0f);
-    for (int64_t j = 0; j < 16; ++j) {  // sub-blocks of 16: w = (d * sc_j) * (q - 32)
-      const __m256 s0 = _mm256_mul_ps(d0, i8x8(rec + 32 + j * 16));
-      const __m256 s1 = _mm256_mul_ps(d1, i8x8(rec + 40 + j * 16));
-      const __m256 b0 = _mm256_mul_ps(s0, m32), b1 = _mm256_mul_ps(s1, m32);
-      for (int64_t k = j * 16; k < j * 16 + 16; ++k) {
-        __m256i lo, hi;
-        nibbles16(rec + kQ6Nibbles + k * 8, lo, hi);
-        const __m256i h = _mm256_set1_epi32(static_cast<int>(high[k]));
-        lo = _mm256_or_si256(lo, high_bits<26>(h, up0, bits45));
-        hi = _mm256_or_si256(hi, high_bits<26>(h, up1, bits45));
-        emit16(f, k, lo, hi, s0, s1, b0, b1);
-      }
-    }
+    const uint32_t high = reinterpret_cast<const uint32_t*>(rec + kQ6High)[k];
+    const __m256i h = _mm256_set1_epi32(static_cast<int>(high));
+    __m256i q0, q1;
+    nibbles16(rec + kQ6Nibbles + k * 8, q0, q1);
+    q0 = _mm256_or_si256(q0, high_bits<26>(h, up0, bits45));
+    q1 = _mm256_or_si256(q1, high_bits<26>(h, up1, bits45));
+    to_float(q0, q1, 32, f0, f1);
   }
-}
-
-// One record -> out[block_k][16] float32 weights.
-template <int64_t T>
-inline void unpack_record(const uint8_t* rec, float* out) {
-  for_each_k<T>(rec, [out](int64_t k, __m256 w0, __m256 w1) {
-    _mm256_storeu_ps(out + k * kPanel, w0);
-    _mm256_storeu_ps(out + k * kPanel + 8, w1);
-  });
-}
+  static void scales(const uint8_t* rec, int64_t j, __m256& s0, __m256& s1) {
+    s0 = _mm256_mul_ps(f16x8(rec), i8x8(rec + 32 + j * 16));
+    s1 = _mm256_mul_ps(f16x8(rec + 16), i8x8(rec + 40 + j * 16));
+  }
+};
 
 }  // namespace pdserve::quant
