@@ -8,19 +8,26 @@ leading tokens equal to the reference's, and how many whole answers are equal.
 
 Run: ``python bench/fidelity.py --model DIR [--pdserve-dtype auto] [--json out.json]``
 (``DIR``: a Hugging Face directory; a ``.gguf`` file where pdserve reads GGUF, the reference
-then dequantizes it through transformers' GGUF loader).
+then dequantizes it through transformers' GGUF loader). ``--llamacpp`` (a ``.gguf`` model):
+llama.cpp's ``llama-server`` (bench/llamacpp_ref.py) answers the same prompt ids too, greedy
+(temperature 0), EOS ignored, so its agreement with the same reference stands beside pdserve's.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
 
 CHAT_QUESTIONS = (
     "What is the capital of France?",
@@ -118,6 +125,30 @@ def pdserve_greedy(
     return [r.token_ids for r in results]
 
 
+LLAMACPP_REQUEST_TIMEOUT_S = 120.0
+
+
+async def llamacpp_greedy(gguf: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """llama-server's greedy continuation of each prompt (token ids in, token ids out)."""
+    from bench import llamacpp_ref
+    from bench.cluster import free_port
+
+    tree = await asyncio.to_thread(llamacpp_ref.ensure_build)
+    out = []
+    timeout = aiohttp.ClientTimeout(total=LLAMACPP_REQUEST_TIMEOUT_S)
+    async with (
+        llamacpp_ref.LlamaServer(tree.server, gguf, free_port(), num_slots=1) as server,
+        aiohttp.ClientSession(timeout=timeout) as session,
+    ):
+        for ids in prompts:
+            body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
+                    "cache_prompt": False, "return_tokens": True}  # fmt: skip
+            async with session.post(f"{server.url}/completion", json=body) as resp:
+                resp.raise_for_status()
+                out.append(list((await resp.json())["tokens"])[:n])
+    return out
+
+
 def leading_agreement(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -142,6 +173,9 @@ def main() -> None:
     ap.add_argument("--num-tokens", type=int, default=32)
     ap.add_argument("--pdserve-dtype", default="auto")
     ap.add_argument("--skip-hf-bf16", action="store_true")
+    ap.add_argument(
+        "--llamacpp", action="store_true", help="llama-server on the same .gguf file too"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     path = Path(args.model)
@@ -155,6 +189,11 @@ def main() -> None:
                             hf_greedy(hf_dir, gguf, torch.bfloat16, prompts, n), ref))  # fmt: skip
     ours = pdserve_greedy(str(path), args.pdserve_dtype, prompts, n)
     scores.append(score(f"pdserve colocated (--dtype {args.pdserve_dtype})", ours, ref))
+    if args.llamacpp:
+        if gguf is None:
+            ap.error("--llamacpp needs a .gguf --model")
+        theirs = asyncio.run(llamacpp_greedy(path, prompts, n))
+        scores.append(score("llama.cpp llama-server (same file)", theirs, ref))
     print(f"{'engine':<40} {'agreeing tokens':>16} {'equal answers':>14} {'factual 1st':>12}")
     for s in scores:
         print(f"{s.engine:<40} {s.mean_agreeing_tokens:>12.1f}/{n:<3} "

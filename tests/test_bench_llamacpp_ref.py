@@ -266,3 +266,38 @@ async def test_pdserve_serves_each_llamacpp_file_beside_llama_server(
     assert served == [("colocated", tmp_path), ("colocated", Path("/m/a.Q4_1.gguf")),
                       ("llamacpp", Path("/m/a.Q4_1.gguf"))]  # fmt: skip
     assert [r["deployment"] for r in rows] == ["colocated", "colocated-Q4_1", "llamacpp-Q4_1"]
+
+
+COMPLETION_STAND_IN = """#!{python}
+import sys
+from aiohttp import web
+port = int(sys.argv[sys.argv.index("--port") + 1])
+async def health(request):
+    return web.json_response({{"status": "ok"}})
+async def completion(request):
+    body = await request.json()
+    assert body["temperature"] == 0.0 and body["ignore_eos"] and body["return_tokens"]
+    assert not body["cache_prompt"]
+    ids = body["prompt"]  # token ids in; its continuation: the ids reversed, then 0s
+    tokens = (ids[::-1] + [0] * body["n_predict"])[: body["n_predict"] + 2]
+    return web.json_response({{"content": "", "tokens": tokens}})
+app = web.Application()
+app.router.add_get("/health", health)
+app.router.add_post("/completion", completion)
+web.run_app(app, host="127.0.0.1", port=port, print=None)
+"""
+
+
+async def test_fidelity_asks_llama_server_for_greedy_token_ids_on_the_same_prompts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench import fidelity
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(COMPLETION_STAND_IN.format(python=sys.executable))
+    binary.chmod(0o755)
+    monkeypatch.setattr(llamacpp_ref, "ensure_build", lambda: LlamaCppTree(tmp_path))
+    monkeypatch.setattr(LlamaCppTree, "server", property(lambda _self: binary))
+    got = await fidelity.llamacpp_greedy(tmp_path / "m.Q4_1.gguf", [[5, 6, 7], [9]], 4)
+    assert got == [[7, 6, 5, 0], [9, 0, 0, 0]]  # n tokens each, in the server's order
+    assert fidelity.score("llama.cpp", got, [[7, 6, 1, 1], [9, 0, 0, 0]]).mean_agreeing_tokens == 3
