@@ -67,8 +67,9 @@ def test_a_decode_row_has_the_same_bits_alone_and_among_eight(device: str) -> No
             assert torch.equal(alone[0], together[i]), (name, i)
 
 
+@pytest.mark.parametrize("group", [1, 3, 4, 7])  # query heads per KV head: passes of 1-4 heads
 @pytest.mark.parametrize("chunk", [1, 7, 16, 60])
-def test_cpp_prompt_rows_equal_decode_rows_whatever_the_chunking(chunk: int) -> None:
+def test_cpp_prompt_rows_equal_decode_rows_whatever_the_chunking(chunk: int, group: int) -> None:
     """A 60-token prompt's rows computed in chunks of ``chunk`` (each over the K/V the earlier
     chunks stored) equal its rows computed whole, and each equals a decode step at its
     position, bit for bit."""
@@ -76,9 +77,9 @@ def test_cpp_prompt_rows_equal_decode_rows_whatever_the_chunking(chunk: int) -> 
         pytest.skip("the C++ CPU kernels do not run here")
     n = 60
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(n, GROUP * NUM_KV, HEAD_DIM, generator=gen)
+    q = torch.randn(n, group * NUM_KV, HEAD_DIM, generator=gen)
     kv = torch.randn(n, 2, NUM_KV, HEAD_DIM, generator=gen)
-    config = AttentionConfig(GROUP * NUM_KV, NUM_KV, HEAD_DIM, None, 128, torch.float32)
+    config = AttentionConfig(group * NUM_KV, NUM_KV, HEAD_DIM, None, 128, torch.float32)
 
     def rows_in_chunks(size: int) -> torch.Tensor:
         pool = KVPagePool(KVCacheConfig(1, NUM_KV, HEAD_DIM, NUM_PAGES, PAGE, torch.bfloat16),

@@ -235,6 +235,7 @@ void store_new_kv(const Problem<TQ, T>& P, int64_t row, int64_t kvh) {
 // Calls f(std::integral_constant<int, count>) for count = 1 .. kMaxRun (at most 8 / NG).
 template <int NG, typename F>
 inline void dispatch_run(int64_t count, F&& f) {
+  static_assert(NG >= 1 && NG <= 4);
   if constexpr (NG <= 2) {
     if (count == 4) return f(std::integral_constant<int, 4>{});
     if (count == 3) return f(std::integral_constant<int, 3>{});
@@ -281,7 +282,8 @@ void item(const Problem<TQ, T>& P, Run run, int64_t kvh, std::vector<int64_t>& r
       g += NG;
     };
     if (left >= 4) heads(std::integral_constant<int, 4>{});
-    else if (left >= 2) heads(std::integral_constant<int, 2>{});
+    else if (left == 3) heads(std::integral_constant<int, 3>{});
+    else if (left == 2) heads(std::integral_constant<int, 2>{});
     else heads(std::integral_constant<int, 1>{});
   }
 }

@@ -6,16 +6,17 @@
 // has offsets, acc = fma(xs_j, b_j, acc) with xs_j the row's sum of those x (added in order);
 // the float types (F32/F16/BF16) are one fma chain of w[k] * x[k]; y = acc + bias. Keeping the
 // scales out of the inner loop leaves it a conversion and one fma per weight. Row counts, row
-// grouping, panel pairing and thread counts only change which thread computes an element and
-// when, never its arithmetic, so a token's result does not depend on its batch mates.
+// grouping, how many panels run side by side and thread counts only change which thread
+// computes an element and when, never its arithmetic, so a token's result does not depend on
+// its batch mates.
 // Activations stay float32 (not requantized to 8 bits as llama.cpp does).
 //
 // Two ways through a panel, chosen by the number of row groups (groups of at most 6 rows, as
 // in dense_gemm.cpp), with identical arithmetic:
 // - streaming (decode, at most 2 groups): each group reads the packed records and converts
 //   them in registers (a second group re-reads the panel from cache), a record prefetched
-//   ahead; groups of 1 or 2 rows walk two panels side by side, so one row's few accumulator
-//   chains do not leave the FMA units waiting on their latency;
+//   ahead; a group of 1 row walks 4 panels side by side (of 2 rows, 2), so a few rows'
+//   accumulator chains do not leave the FMA units waiting on their latency;
 // - unpacked (prefill): the panel's quants, scales and offsets are converted once into a
 //   per-thread float32 buffer (K x 16, in L2) and every group runs over it.
 // Threads take chunks of panels from a shared counter (see dense_gemm.cpp's run() for why).
@@ -107,11 +108,15 @@ void unpack(const uint8_t* panel, int64_t K, int64_t record_bytes, float* q, flo
 // MR rows (inputs x (K, MR), sub-block sums xs (K / 32, MR)) times NP panels read through
 // src[0..NP): the arithmetic in the header comment.
 template <int64_t T, int MR, int NP, typename Src>
-inline void rows_times_panels(const float* x, const float* xs, int64_t K, Src* src,
+inline void rows_times_panels(const float* x, const float* xs, int64_t K, const Src* panels,
                               const float* const* bias16, float* const* y, int64_t ldy,
                               const int64_t* n) {
   using D = Dequant<T>;
   static_assert(!D::kOffset || D::kSub == kOffsetSub);
+  static_assert(NP == 1 || MR <= 2, "side by side, the sums must stay in registers");
+  Src src[NP];  // local copies: their cursors stay in registers
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) src[p] = panels[p];
   const __m256 z = _mm256_setzero_ps();
   __m256 acc[NP][MR][2];
 #pragma GCC unroll 8
@@ -130,16 +135,30 @@ inline void rows_times_panels(const float* x, const float* xs, int64_t K, Src* s
         blk[p][i][1] = D::kScaled ? z : acc[p][i][1];
       }
     for (int64_t k = k0; k < k0 + D::kSub; ++k) {
-      __m256 q[NP][2];
+      // Register use decides the order: one panel's quants against each row's broadcast input
+      // (up to 6 rows); or each row's input against each panel's quants in turn (<= 2 rows).
+      if constexpr (NP == 1) {
+        __m256 q0, q1;
+        src[0].quants(k, q0, q1);
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) src[p].quants(k, q[p][0], q[p][1]);
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xv = _mm256_broadcast_ss(x + k * MR + i);
+          blk[0][i][0] = _mm256_fmadd_ps(q0, xv, blk[0][i][0]);
+          blk[0][i][1] = _mm256_fmadd_ps(q1, xv, blk[0][i][1]);
+        }
+      } else {
+        __m256 xv[MR];
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(x + k * MR + i);
+        for (int i = 0; i < MR; ++i) xv[i] = _mm256_broadcast_ss(x + k * MR + i);
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p) {
-          blk[p][i][0] = _mm256_fmadd_ps(q[p][0], xv, blk[p][i][0]);
-          blk[p][i][1] = _mm256_fmadd_ps(q[p][1], xv, blk[p][i][1]);
+          __m256 q0, q1;
+          src[p].quants(k, q0, q1);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            blk[p][i][0] = _mm256_fmadd_ps(q0, xv[i], blk[p][i][0]);
+            blk[p][i][1] = _mm256_fmadd_ps(q1, xv[i], blk[p][i][1]);
+          }
         }
       }
     }
@@ -235,15 +254,22 @@ struct Part {
 
 // Panel p's column range and its 16 bias values (zero-padded).
 struct PanelCols {
-  int64_t col, n;
-  alignas(32) float bias16[kPanel];
-  PanelCols(const Part& part, int64_t p, const float* bias)
-      : col(part.col0 + p * kPanel), n(std::min(kPanel, part.N - p * kPanel)), bias16{} {
+  int64_t col = 0, n = 0;
+  alignas(32) float bias16[kPanel] = {};
+
+  void set(const Part& part, int64_t p, const float* bias) {
+    col = part.col0 + p * kPanel;
+    n = std::min(kPanel, part.N - p * kPanel);
     if (bias != nullptr) std::memcpy(bias16, bias + col, n * sizeof(float));
   }
 };
 
-// Panels p .. p + np - 1 (np: 1, or 2 to pair them) of one part times every row group.
+// Panels one group of `rows` rows walks side by side while streaming: enough accumulator chains
+// (rows x panels x 2) to cover the FMA latency, few enough to stay in registers.
+inline int64_t panels_side_by_side(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+constexpr int64_t kMaxSideBySide = 4;
+
+// Panels p .. p + np - 1 (np <= kMaxSideBySide) of one part times every row group.
 template <int64_t T>
 void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
                 const std::vector<RowGroup>& groups, const float* bias, float* y, int64_t ldy,
@@ -252,26 +278,36 @@ void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
   const int64_t panel_bytes = (K / part.lay.block_k) * part.lay.record_bytes;
   const bool streaming = static_cast<int64_t>(groups.size()) <= kMaxStreamGroups;
   if (streaming) {
+    PackedPanel<T> src[kMaxSideBySide];
+    PanelCols cols[kMaxSideBySide];
+    const float* bias16[kMaxSideBySide];
+    float* ys[kMaxSideBySide];
+    int64_t ns[kMaxSideBySide];
+    for (int64_t i = 0; i < np; ++i) {
+      src[i] = PackedPanel<T>{part.packed + (p + i) * panel_bytes, part.lay.record_bytes};
+      cols[i].set(part, p + i, bias);
+      bias16[i] = cols[i].bias16;
+      ns[i] = cols[i].n;
+    }
     for (const RowGroup& g : groups) {
+      for (int64_t i = 0; i < np; ++i) ys[i] = y + g.first * ldy + cols[i].col;
       for (int64_t first = 0; first < np;) {
-        const int64_t count = (g.rows <= 2 && np - first == 2) ? 2 : 1;
-        const uint8_t* packed = part.packed + (p + first) * panel_bytes;
-        PackedPanel<T> src[2] = {{packed, part.lay.record_bytes},
-                                 {packed + panel_bytes, part.lay.record_bytes}};
-        const PanelCols a(part, p + first, bias);
-        const PanelCols b(part, p + first + count - 1, bias);
-        const float* bias16[2] = {a.bias16, b.bias16};
-        float* ys[2] = {y + g.first * ldy + a.col, y + g.first * ldy + b.col};
-        const int64_t ns[2] = {a.n, b.n};
+        const int64_t count = std::min(panels_side_by_side(g.rows), np - first);
+        const auto run = [&](auto mr, auto panels) {
+          rows_times_panels<T, decltype(mr)::value, decltype(panels)::value>(
+              g.x, g.xs, K, src + first, bias16 + first, ys + first, ldy, ns + first);
+        };
+        using std::integral_constant;
         dispatch_rows(g.rows, [&](auto mr) {
           constexpr int MR = decltype(mr)::value;
-          if constexpr (MR <= 2) {
-            if (count == 2) {
-              rows_times_panels<T, MR, 2>(g.x, g.xs, K, src, bias16, ys, ldy, ns);
-              return;
-            }
+          if constexpr (MR == 1) {
+            if (count == 4) return run(mr, integral_constant<int, 4>{});
+            if (count == 3) return run(mr, integral_constant<int, 3>{});
           }
-          rows_times_panels<T, MR, 1>(g.x, g.xs, K, src, bias16, ys, ldy, ns);
+          if constexpr (MR <= 2) {
+            if (count == 2) return run(mr, integral_constant<int, 2>{});
+          }
+          run(mr, integral_constant<int, 1>{});
         });
         first += count;
       }
@@ -285,7 +321,8 @@ void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
     unpack<T>(part.packed + (p + i) * panel_bytes, K, part.lay.record_bytes, q, q + K * kPanel,
               q + (K + subs) * kPanel);
     UnpackedPanel src{q, q + K * kPanel, q + (K + subs) * kPanel, D::kSub};
-    const PanelCols a(part, p + i, bias);
+    PanelCols a;
+    a.set(part, p + i, bias);
     const float* bias16[1] = {a.bias16};
     for (const RowGroup& g : groups) {
       float* ys[1] = {y + g.first * ldy + a.col};
@@ -351,8 +388,9 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& pack
   float* yp = y.data_ptr<float>();
   const int64_t threads = std::clamp<int64_t>(panels / kMinPanelsPerThread, 1,
                                               at::get_num_threads());
-  // Even chunks, so panels pair up (see run_panels).
-  const int64_t chunk = std::max<int64_t>(2, panels / (threads * kChunksPerThread) / 2 * 2);
+  // Chunks of a multiple of kMaxSideBySide panels (see run_panels).
+  const int64_t chunk = std::max<int64_t>(
+      kMaxSideBySide, panels / (threads * kChunksPerThread) / kMaxSideBySide * kMaxSideBySide);
   const int64_t num_chunks = (panels + chunk - 1) / chunk;
   std::atomic<int64_t> next_chunk{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -361,9 +399,9 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& pack
       for (int64_t gp = c * chunk, end = std::min(panels, gp + chunk); gp < end;) {
         const size_t i = std::upper_bound(first_panel.begin(), first_panel.end(), gp) -
                          first_panel.begin() - 1;
-        // Two panels at once where both are in this chunk and this part.
+        // Up to kMaxSideBySide panels at once, all in this chunk and this part.
         const int64_t p = gp - first_panel[i], part_panels = (parts[i].N + kPanel - 1) / kPanel;
-        const int64_t np = gp + 1 < end && p + 1 < part_panels ? 2 : 1;
+        const int64_t np = std::min({kMaxSideBySide, end - gp, part_panels - p});
         run_panels_of(parts[i], p, np, K, groups, bp, yp, N, scratch);
         gp += np;
       }
