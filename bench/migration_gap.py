@@ -10,8 +10,8 @@ tokens), measured on the same cluster just before; the issue's goal is gap <= 2x
 
     python bench/migration_gap.py [--model-dir DIR] [--prompt-len 512] [--kill-after 32]
 
-Without ``--model-dir`` it serves bench/runner_speed.py's "small" checkpoint if it was written,
-else the demo model.
+Without ``--model-dir`` it serves the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF), else
+the demo model.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from bench.cluster import Cluster, ClusterSpec, ManagedProc, get_json  # noqa: E
 from bench.sse import sse_events  # noqa: E402
 from pdserve.cli_common import run_async  # noqa: E402
 from pdserve.model.demo import ensure_demo_model  # noqa: E402
+from pdserve.model.fetch import FetchError, fetch_model  # noqa: E402
 
 STREAM_TIMEOUT_S = 300.0
 
@@ -41,17 +42,18 @@ STREAM_TIMEOUT_S = 300.0
 class Round:
     ttft_fresh_s: float  # a fresh prompt as long as the resumed prefill
     gap_s: float  # kill -> the stream's next token
-    num_tokens: int  # tokens the cut stream delivered in all
+    num_tokens: int  # tokens the cut stream delivered in all (its usage)
     migrations: int
 
 
 def token_prompt(length: int, salt: int) -> list[int]:
-    return [(salt * 7919 + 131 * i) % 1000 + 300 for i in range(length)]  # in every vocabulary
+    return [(salt * 31 + 7 * i) % 230 + 20 for i in range(length)]  # no specials, any vocab
 
 
 def body(prompt: list[int], max_tokens: int) -> dict:
     return {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
 
 
 async def ttft(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> float:
@@ -59,7 +61,8 @@ async def ttft(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> f
     timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
     async with session.post(f"{url}/v1/completions", data=orjson.dumps(body(prompt, 2)),
                             timeout=timeout) as resp:  # fmt: skip
-        resp.raise_for_status()
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {await resp.text()}")
         first = None
         async for ev in sse_events(resp):
             if first is None and ev.data and any(c.get("text") for c in ev.data["choices"]):
@@ -86,15 +89,18 @@ async def one_round(cluster: Cluster, args: argparse.Namespace, salt: int) -> Ro
     prompt = token_prompt(args.prompt_len, salt)
     fresh = await ttft(session, url, token_prompt(args.prompt_len + args.kill_after, salt + 1000))
     before = await migrations(session, url)
-    killed_at, gap, count = None, None, 0
+    killed_at, gap, count, num_tokens = None, None, 0, 0
     timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
     data = orjson.dumps(body(prompt, args.max_tokens))
     async with session.post(f"{url}/v1/completions", data=data, timeout=timeout) as resp:
-        resp.raise_for_status()
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {await resp.text()}")
         async for ev in sse_events(resp):
-            if not ev.data or not any(c.get("text") for c in ev.data["choices"]):
+            if ev.data and ev.data.get("usage"):
+                num_tokens = ev.data["usage"]["completion_tokens"]
+            if not ev.data or not ev.data["choices"]:
                 continue
-            count += 1
+            count += 1  # a streamed step (its text may be empty: bytes held for UTF-8)
             if killed_at is not None and gap is None:
                 gap = ev.at - killed_at
             if count == args.kill_after and killed_at is None:
@@ -104,7 +110,7 @@ async def one_round(cluster: Cluster, args: argparse.Namespace, salt: int) -> Ro
     assert gap is not None, "the stream ended before the kill or never resumed"
     moved = await migrations(session, url) - before
     await cluster.restart(victim)  # both decodes again for the next round
-    return Round(fresh, gap, count, moved)
+    return Round(fresh, gap, num_tokens, moved)
 
 
 async def run(args: argparse.Namespace) -> list[Round]:
@@ -115,8 +121,10 @@ async def run(args: argparse.Namespace) -> list[Round]:
 
 
 def default_model() -> Path:
-    small = Path.home() / ".cache" / "pdserve" / "bench" / "runner_speed" / "small"
-    return small if (small / "config.json").exists() else ensure_demo_model()
+    try:
+        return fetch_model()
+    except FetchError:
+        return ensure_demo_model()
 
 
 def main() -> int:
@@ -124,7 +132,7 @@ def main() -> int:
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--kill-after", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if args.kill_after >= args.max_tokens:
