@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -151,6 +151,37 @@ async def is_ready(session: aiohttp.ClientSession, url: str, path: str = "/healt
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False
+
+
+class ReferenceServer:
+    """A reference server (vLLM, llama.cpp) run as one ManagedProc: its URL, ``async with``
+    starting it and waiting until it is ready (stopping it if that fails), and a stop of its
+    whole process group on exit. Subclasses set ``port``, ``proc`` and ``ready_timeout_s``."""
+
+    port: int
+    proc: ManagedProc
+    ready_timeout_s: ClassVar[float]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes] | None:
+        return self.proc.popen
+
+    async def __aenter__(self) -> Self:
+        await asyncio.to_thread(self.proc.start)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await self.proc.wait_ready(session, self.ready_timeout_s)
+        except BaseException:
+            await asyncio.to_thread(self.proc.stop)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.proc.stop, 30.0)
 
 
 class Cluster:

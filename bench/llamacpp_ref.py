@@ -19,7 +19,6 @@ same seeded prompts at each concurrency, and its figures compare computing them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -30,12 +29,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import aiohttp
+from typing import ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cluster import ManagedProc  # noqa: E402
+from bench.cluster import ManagedProc, ReferenceServer  # noqa: E402
 from pdserve.file_lock import exclusive_file_lock  # noqa: E402
 
 VERSION = "0.3.36"  # of llama-cpp-python, whose sdist vendors llama.cpp
@@ -194,8 +192,10 @@ def gguf_label(path: Path) -> str:
 
 
 @dataclass
-class LlamaServer:
+class LlamaServer(ReferenceServer):
     """A ``llama-server`` child process; ``async with`` starts it and waits for its /health."""
+
+    ready_timeout_s: ClassVar[float] = READY_TIMEOUT_S
 
     server: Path  # the llama-server binary
     gguf: Path
@@ -217,14 +217,6 @@ class LlamaServer:
             command=(str(self.server),), ready_path="/health",  # 503 while the model loads
         )  # fmt: skip
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def popen(self) -> subprocess.Popen[bytes] | None:
-        return self.proc.popen
-
     def argv(self) -> list[str]:
         argv = [
             "-m", str(self.gguf), "-np", str(self.num_slots), "-c", str(self.context_len),
@@ -233,19 +225,6 @@ class LlamaServer:
         ]  # fmt: skip
         # Off: neither the slot's own prompt reuse nor the host-memory prompt cache.
         return argv + ([] if self.prompt_caching else ["--no-cache-prompt", "--cache-ram", "0"])
-
-    async def __aenter__(self) -> LlamaServer:
-        await asyncio.to_thread(self.proc.start)
-        try:
-            async with aiohttp.ClientSession() as session:
-                await self.proc.wait_ready(session, READY_TIMEOUT_S)
-        except BaseException:
-            await asyncio.to_thread(self.proc.stop)
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await asyncio.to_thread(self.proc.stop, 30.0)
 
 
 def main(argv: list[str] | None = None) -> int:

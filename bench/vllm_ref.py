@@ -15,16 +15,13 @@ the anchor figures in issue 4 are absolutes measured another day.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-import aiohttp
-
-from bench.cluster import ManagedProc
+from bench.cluster import ManagedProc, ReferenceServer
 
 READY_TIMEOUT_S = 600.0  # vLLM's start-up on 2 cores (imports, compile, warm-up): 1-2 min
 
@@ -45,8 +42,10 @@ def tuned_env(python: str) -> dict[str, str]:
 
 
 @dataclass
-class VllmServer:
+class VllmServer(ReferenceServer):
     """A vLLM OpenAI server child process; ``async with`` starts it and waits until it serves."""
+
+    ready_timeout_s: ClassVar[float] = READY_TIMEOUT_S
 
     python: str
     model_dir: Path
@@ -75,14 +74,6 @@ class VllmServer:
             ready_path="/v1/models",  # answers once the engine is up
         )  # fmt: skip
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def popen(self) -> subprocess.Popen[bytes] | None:
-        return self.proc.popen
-
     def argv(self) -> list[str]:
         argv = [
             "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
@@ -90,16 +81,3 @@ class VllmServer:
             "--max-model-len", str(self.max_model_len),
         ]  # fmt: skip
         return argv + ([] if self.prefix_caching else ["--no-enable-prefix-caching"])
-
-    async def __aenter__(self) -> VllmServer:
-        await asyncio.to_thread(self.proc.start)
-        try:
-            async with aiohttp.ClientSession() as session:
-                await self.proc.wait_ready(session, READY_TIMEOUT_S)
-        except BaseException:
-            await asyncio.to_thread(self.proc.stop)
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await asyncio.to_thread(self.proc.stop, 30.0)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
+from openai import AsyncOpenAI
 from prometheus_client import CollectorRegistry
 
 from pdserve.api import ApiConfig, build_app, start_http
@@ -57,6 +58,16 @@ async def live_url(engine: FakeEngine, config: ApiConfig) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@pytest_asyncio.fixture
+async def oai(live_url: str) -> AsyncIterator[AsyncOpenAI]:
+    """The official openai client on the live server (no retries: a failure shows at once)."""
+    client = AsyncOpenAI(base_url=f"{live_url}/v1", api_key=API_KEY, max_retries=0, timeout=10)
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 def chat_body(content: str = "hello", **fields: object) -> dict[str, object]:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import openai
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
 
 from pdserve.api import ApiConfig
@@ -18,15 +15,6 @@ from .engine_double import MODEL, FakeEngine
 @pytest.fixture
 def config() -> ApiConfig:
     return make_config(api_key=API_KEY)
-
-
-@pytest_asyncio.fixture
-async def oai(live_url: str) -> AsyncIterator[AsyncOpenAI]:
-    client = AsyncOpenAI(base_url=f"{live_url}/v1", api_key=API_KEY, max_retries=0, timeout=10)
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 async def test_chat_completion(oai: AsyncOpenAI) -> None:

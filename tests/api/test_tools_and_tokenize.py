@@ -8,12 +8,10 @@ comes back as one: what the parser and the streamed deltas must turn into typed 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
 
 from .conftest import assert_openai_error
@@ -27,15 +25,6 @@ CALL = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call
 @pytest.fixture
 def engine() -> FakeEngine:
     return FakeEngine(max_model_len=1024)  # room for a tool call replayed after its prompt
-
-
-@pytest_asyncio.fixture
-async def oai(live_url: str) -> AsyncIterator[AsyncOpenAI]:
-    client = AsyncOpenAI(base_url=f"{live_url}/v1", api_key="x", max_retries=0, timeout=10)
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 def _chat(content: str) -> list[dict[str, str]]:

@@ -97,15 +97,32 @@ inline void add_fifth_bit(uint16_t high, __m256i& lo, __m256i& hi) {
   hi = _mm256_or_si256(hi, high_bits<27>(h, up1, bit4));
 }
 
-// Integer quants minus a constant, as floats.
-inline void to_float(__m256i q0, __m256i q1, int offset, __m256& f0, __m256& f1) {
-  const __m256i c = _mm256_set1_epi32(offset);
-  f0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, c));
-  f1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, c));
-}
+// Integer quants minus a constant (the symmetric types' offset; 0: none), as floats.
+template <int kOffset>
 inline void to_float(__m256i q0, __m256i q1, __m256& f0, __m256& f1) {
+  if constexpr (kOffset != 0) {
+    q0 = _mm256_sub_epi32(q0, _mm256_set1_epi32(kOffset));
+    q1 = _mm256_sub_epi32(q1, _mm256_set1_epi32(kOffset));
+  }
   f0 = _mm256_cvtepi32_ps(q0);
   f1 = _mm256_cvtepi32_ps(q1);
+}
+
+// 4-bit quants at k from the plane at rec + kNibbles, minus kOffset, as floats.
+template <int64_t kNibbles, int kOffset>
+inline void nibble_quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+  __m256i q0, q1;
+  nibbles16(rec + kNibbles + k * 8, q0, q1);
+  to_float<kOffset>(q0, q1, f0, f1);
+}
+
+// The same with each column's fifth bit from the uint16 plane at rec + kHigh.
+template <int64_t kNibbles, int64_t kHigh, int kOffset>
+inline void five_bit_quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
+  __m256i q0, q1;
+  nibbles16(rec + kNibbles + k * 8, q0, q1);
+  add_fifth_bit(reinterpret_cast<const uint16_t*>(rec + kHigh)[k], q0, q1);
+  to_float<kOffset>(q0, q1, f0, f1);
 }
 
 // Dequantizers: one per type, static reads of one record (columns 0-7 in the first vector,
@@ -174,57 +191,30 @@ struct Dequant<Q8_0> : Scaled32 {
 template <>
 struct Dequant<Q4_0> : Scaled32 {
   static constexpr bool kOffset = false;
-  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
-    __m256i q0, q1;
-    nibbles16(rec + 32 + k * 8, q0, q1);
-    to_float(q0, q1, 8, f0, f1);
-  }
+  static constexpr auto quants = nibble_quants<32, 8>;
 };
 template <>
 struct Dequant<Q4_1> : Scaled32 {
   static constexpr bool kOffset = true;
-  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
-    __m256i q0, q1;
-    nibbles16(rec + 64 + k * 8, q0, q1);
-    to_float(q0, q1, f0, f1);
-  }
+  static constexpr auto quants = nibble_quants<64, 0>;
 };
 template <>
 struct Dequant<Q5_0> : Scaled32 {
   static constexpr bool kOffset = false;
-  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
-    __m256i q0, q1;
-    nibbles16(rec + 32 + k * 8, q0, q1);
-    add_fifth_bit(reinterpret_cast<const uint16_t*>(rec + 32 + 256)[k], q0, q1);
-    to_float(q0, q1, 16, f0, f1);
-  }
+  static constexpr auto quants = five_bit_quants<32, 32 + 256, 16>;
 };
 template <>
 struct Dequant<Q5_1> : Scaled32 {
   static constexpr bool kOffset = true;
-  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
-    __m256i q0, q1;
-    nibbles16(rec + 64 + k * 8, q0, q1);
-    add_fifth_bit(reinterpret_cast<const uint16_t*>(rec + 64 + 256)[k], q0, q1);
-    to_float(q0, q1, f0, f1);
-  }
+  static constexpr auto quants = five_bit_quants<64, 64 + 256, 0>;
 };
 template <>
 struct Dequant<Q4_K> : KQuant {
-  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
-    __m256i q0, q1;
-    nibbles16(rec + kKQuantNibbles + k * 8, q0, q1);
-    to_float(q0, q1, f0, f1);
-  }
+  static constexpr auto quants = nibble_quants<kKQuantNibbles, 0>;
 };
 template <>
 struct Dequant<Q5_K> : KQuant {
-  static void quants(const uint8_t* rec, int64_t k, __m256& f0, __m256& f1) {
-    __m256i q0, q1;
-    nibbles16(rec + kKQuantNibbles + k * 8, q0, q1);
-    add_fifth_bit(reinterpret_cast<const uint16_t*>(rec + kQ5High)[k], q0, q1);
-    to_float(q0, q1, f0, f1);
-  }
+  static constexpr auto quants = five_bit_quants<kKQuantNibbles, kQ5High, 0>;
 };
 template <>
 struct Dequant<Q6_K> {  // sub-blocks of 16: w = (d * sc_j) * (q - 32)
@@ -240,7 +230,7 @@ struct Dequant<Q6_K> {  // sub-blocks of 16: w = (d * sc_j) * (q - 32)
     nibbles16(rec + kQ6Nibbles + k * 8, q0, q1);
     q0 = _mm256_or_si256(q0, high_bits<26>(h, up0, bits45));
     q1 = _mm256_or_si256(q1, high_bits<26>(h, up1, bits45));
-    to_float(q0, q1, 32, f0, f1);
+    to_float<32>(q0, q1, f0, f1);
   }
   static void scales(const uint8_t* rec, int64_t j, __m256& s0, __m256& s1) {
     s0 = _mm256_mul_ps(f16x8(rec), i8x8(rec + 32 + j * 16));
