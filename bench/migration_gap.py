@@ -29,7 +29,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
 
-from bench.cluster import Cluster, ClusterSpec, ManagedProc, get_json  # noqa: E402
+from bench.cluster import Cluster, ClusterSpec, ManagedProc, get_json, scrape  # noqa: E402
 from bench.sse import sse_events  # noqa: E402
 from pdserve.cli_common import run_async  # noqa: E402
 from pdserve.model.demo import ensure_demo_model  # noqa: E402
@@ -78,10 +78,7 @@ async def serving_decode(session: aiohttp.ClientSession, cluster: Cluster) -> Ma
 
 
 async def migrations(session: aiohttp.ClientSession, url: str) -> int:
-    async with session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return int(sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("pdserve_router_migrations_total")))  # fmt: skip
+    return int((await scrape(session, url)).get("pdserve_router_migrations_total", 0))
 
 
 async def one_round(cluster: Cluster, args: argparse.Namespace, salt: int) -> Round:
