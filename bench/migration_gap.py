@@ -93,6 +93,8 @@ async def one_round(cluster: Cluster, args: argparse.Namespace, salt: int) -> Ro
         if resp.status != 200:
             raise RuntimeError(f"{resp.status}: {await resp.text()}")
         async for ev in sse_events(resp):
+            if ev.data and "error" in ev.data:
+                raise RuntimeError(f"the stream ended with an error: {ev.data['error']}")
             if ev.data and ev.data.get("usage"):
                 num_tokens = ev.data["usage"]["completion_tokens"]
             if not ev.data or not ev.data["choices"]:
@@ -107,12 +109,16 @@ async def one_round(cluster: Cluster, args: argparse.Namespace, salt: int) -> Ro
     assert gap is not None, "the stream ended before the kill or never resumed"
     moved = await migrations(session, url) - before
     await cluster.restart(victim)  # both decodes again for the next round
+    await cluster.wait_router_sees_all()
     return Round(fresh, gap, num_tokens, moved)
 
 
 async def run(args: argparse.Namespace) -> list[Round]:
     spec = ClusterSpec(model_dir=str(args.model_dir), served_model_name="bench", num_decode=2)
     async with Cluster(spec) as cluster:
+        # Every worker is ready, but the router may not have probed the second decode yet:
+        # a kill before it has would leave the stream nowhere to go.
+        await cluster.wait_router_sees_all()
         await ttft(cluster.session, cluster.router.url, token_prompt(16, 0))  # warm both roles
         return [await one_round(cluster, args, salt) for salt in range(args.rounds)]
 
