@@ -245,12 +245,15 @@ class Cluster:
         await self.stop()
 
     async def start(self) -> None:
-        """Start every process at once (any order works) and wait until all are ready."""
+        """Start every process at once (any order works) and wait until all are ready and the
+        router lists every worker healthy: it is ready once one pair is, and a bench that kills
+        or compares workers must not start while the others are still unseen."""
         self._session = aiohttp.ClientSession(connector=self._connector())
         try:
             for proc in self.procs:
                 proc.start()
             await self.wait_ready(self.procs)
+            await self.wait_router_sees_all(self.spec.max_ready_s)
         except BaseException:
             await self.stop()
             raise

@@ -114,16 +114,6 @@ class HostsCluster(Cluster):
                 *self.spec.router_args]  # fmt: skip
         return self._proc("router", GATEWAY, "router", argv)
 
-    async def start(self) -> None:
-        """Start every process and wait until each is ready and the router lists every
-        worker healthy (they registered themselves)."""
-        await super().start()
-        try:
-            await self.wait_router_sees_all(self.spec.max_ready_s)
-        except BaseException:
-            await self.stop()
-            raise
-
     def _connector(self) -> aiohttp.TCPConnector:
         factory = self.fabric.socket_factory(GATEWAY)
         return aiohttp.TCPConnector(force_close=True, socket_factory=factory)

@@ -38,10 +38,16 @@ from pdserve.file_lock import exclusive_file_lock  # noqa: E402
 
 VERSION = "0.3.36"  # of llama-cpp-python, whose sdist vendors llama.cpp
 TARGETS = ("llama-server", "llama-quantize")
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries, no rpath into the build tree
+    # On an AMX CPU, -march=native compiles ggml's AMX matmul, which crashes llama-server here
+    # (SIGSEGV in ggml_backend_amx_mul_mat at its warm-up decode, Sapphire Rapids VM, 0.3.36);
+    # without it llama.cpp keeps AVX-512/VNNI and its repacked kernels. Explicit -mno-* flags
+    # win over -march=native's whatever their order.
+    f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
 )  # fmt: skip
 NICE = ("nice", "-n", "19")
 BUILD_JOBS = 2

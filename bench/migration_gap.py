@@ -116,9 +116,6 @@ async def one_round(cluster: Cluster, args: argparse.Namespace, salt: int) -> Ro
 async def run(args: argparse.Namespace) -> list[Round]:
     spec = ClusterSpec(model_dir=str(args.model_dir), served_model_name="bench", num_decode=2)
     async with Cluster(spec) as cluster:
-        # Every worker is ready, but the router may not have probed the second decode yet:
-        # a kill before it has would leave the stream nowhere to go.
-        await cluster.wait_router_sees_all()
         await ttft(cluster.session, cluster.router.url, token_prompt(16, 0))  # warm both roles
         return [await one_round(cluster, args, salt) for salt in range(args.rounds)]
 

@@ -78,7 +78,6 @@ async def bench_policy(policy: str, model_dir: Path, args: argparse.Namespace) -
         num_decode=args.num_decode, worker_args=worker_args, router_args=("--policy", policy),
     )  # fmt: skip
     async with Cluster(spec) as cluster:
-        await cluster.wait_router_sees_all()  # every prefill and decode, not just one pair
         cfg = BenchConfig(
             base_url=cluster.router.url, model="bench", endpoint="completions",
             dataset="prefix_repetition", num_prefixes=args.num_prefixes,
