@@ -150,3 +150,21 @@ def test_refuses_other_inputs() -> None:
         packed([QuantizedTensor("IQ2_XS", (1, 256), np.zeros((1, 66), np.uint8))])
     with pytest.raises(ValueError, match="share K"):
         packed([random_weight("Q8_0", 16, 64, seed=0), random_weight("Q8_0", 16, 32, seed=0)])
+
+
+@pytest.mark.skipif(module is None or not module.avx512_enabled(), reason="no AVX-512 here")
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_avx512_paths_give_the_avx2_bits(type_name: str) -> None:
+    assert module is not None
+    k = 2 * block_k(type_name) if block_k(type_name) == 256 else 6 * block_k(type_name)
+    w = packed([random_weight(type_name, 45, k, seed=5)])
+    # Up to 12 rows stream the packed panels (1, 2 rows: panels side by side); 3+ row groups
+    # take the unpacked path, in groups of 4 (13 rows), 5 (19) and 6 (41).
+    xs, bias = [torch.randn(m, k) for m in (1, 2, 3, 7, 12, 13, 19, 41)], torch.randn(45)
+    try:
+        wide = [w(x, bias) for x in xs]
+        module.set_avx512(False)
+        narrow = [w(x, bias) for x in xs]
+    finally:
+        module.set_avx512(True)
+    assert all(torch.equal(a, b) for a, b in zip(wide, narrow, strict=True))

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &pdserve::linear, no_gil);
   m.def("quant_pack", &pdserve::quant_pack, no_gil);
   m.def("quant_linear", &pdserve::quant_linear, no_gil);
+  m.def("avx512_enabled", &pdserve::avx512_enabled);
+  m.def("set_avx512", &pdserve::set_avx512);
   m.def("paged_attention", &pdserve::paged_attention, no_gil);
   m.def("rope_", &pdserve::rope_, no_gil);
   m.def("silu_mul", &pdserve::silu_mul, no_gil);

@@ -20,13 +20,18 @@
 // - unpacked (prefill): the panel's quants, scales and offsets are converted once into a
 //   per-thread float32 buffer (K x 16, in L2) and every group runs over it.
 // Threads take chunks of panels from a shared counter (see dense_gemm.cpp's run() for why).
+// Where the CPU has AVX-512, both ways run their twins in quant_avx512.h (16-lane vectors, the
+// same fma sequence per element, so the same bits): the unpacked path for every type, the
+// streaming path for the types whose conversion it shortens (Q8_0, F16, BF16, F32).
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "quant_avx512.h"
 #include "quant_layout.h"
+#include "quant_panels.h"
 
 namespace pdserve {
 namespace {
@@ -35,75 +40,6 @@ using namespace quant;
 
 constexpr int64_t kMaxRows = 6;          // rows per group
 constexpr int64_t kMaxStreamGroups = 2;  // up to 12 rows: stream the packed panel per group
-constexpr int64_t kOffsetSub = 32;       // the sub-block of every type with offsets
-
-inline void prefetch_record(const uint8_t* rec, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec) + off, _MM_HINT_T0);
-}
-
-// A panel as its packed records, converted in registers as they are read.
-template <int64_t T>
-struct PackedPanel {
-  using D = Dequant<T>;
-  const uint8_t* panel;
-  int64_t record_bytes;
-  const uint8_t* rec = nullptr;
-  int64_t k_base = 0, j = 0;
-
-  void begin_sub(int64_t k0) {
-    const int64_t block = k0 / D::kBlock;
-    rec = panel + block * record_bytes;
-    k_base = block * D::kBlock;
-    j = (k0 - k_base) / D::kSub;
-    if (j == 0) prefetch_record(rec + record_bytes, record_bytes);  // the next record
-  }
-  void quants(int64_t k, __m256& q0, __m256& q1) const { D::quants(rec, k - k_base, q0, q1); }
-  void scales(__m256& s0, __m256& s1) const {
-    if constexpr (D::kScaled) D::scales(rec, j, s0, s1);
-  }
-  void offsets(__m256& b0, __m256& b1) const {
-    if constexpr (D::kOffset) D::offsets(rec, j, b0, b1);
-  }
-};
-
-// A panel converted once (unpack): quants (K, 16), scales and offsets (K / kSub, 16).
-struct UnpackedPanel {
-  const float *q, *s, *b;
-  int64_t sub, j = 0;
-
-  void begin_sub(int64_t k0) { j = k0 / sub; }
-  void quants(int64_t k, __m256& q0, __m256& q1) const {
-    q0 = _mm256_loadu_ps(q + k * kPanel), q1 = _mm256_loadu_ps(q + k * kPanel + 8);
-  }
-  void scales(__m256& s0, __m256& s1) const {
-    s0 = _mm256_loadu_ps(s + j * kPanel), s1 = _mm256_loadu_ps(s + j * kPanel + 8);
-  }
-  void offsets(__m256& b0, __m256& b1) const {
-    b0 = _mm256_loadu_ps(b + j * kPanel), b1 = _mm256_loadu_ps(b + j * kPanel + 8);
-  }
-};
-
-template <int64_t T>
-void unpack(const uint8_t* panel, int64_t K, int64_t record_bytes, float* q, float* s, float* b) {
-  using D = Dequant<T>;
-  PackedPanel<T> src{panel, record_bytes};
-  for (int64_t k0 = 0; k0 < K; k0 += D::kSub) {
-    src.begin_sub(k0);
-    for (int64_t k = k0; k < k0 + D::kSub; ++k) {
-      __m256 q0, q1;
-      src.quants(k, q0, q1);
-      _mm256_storeu_ps(q + k * kPanel, q0);
-      _mm256_storeu_ps(q + k * kPanel + 8, q1);
-    }
-    __m256 v0 = _mm256_setzero_ps(), v1 = v0, o0 = v0, o1 = v0;
-    src.scales(v0, v1);
-    src.offsets(o0, o1);
-    const int64_t j = k0 / D::kSub;
-    _mm256_storeu_ps(s + j * kPanel, v0), _mm256_storeu_ps(s + j * kPanel + 8, v1);
-    _mm256_storeu_ps(b + j * kPanel, o0), _mm256_storeu_ps(b + j * kPanel + 8, o1);
-  }
-}
 
 // MR rows (inputs x (K, MR), sub-block sums xs (K / 32, MR)) times NP panels read through
 // src[0..NP): the arithmetic in the header comment.
@@ -245,29 +181,40 @@ std::vector<RowGroup> row_groups(const float* x, int64_t M, int64_t K, std::vect
   return groups;
 }
 
-// One part of a fused weight: its packed panels, type and output columns [col0, col0 + N).
-struct Part {
-  const uint8_t* packed;
-  int64_t type, N, col0;
-  Layout lay;
-};
-
-// Panel p's column range and its 16 bias values (zero-padded).
-struct PanelCols {
-  int64_t col = 0, n = 0;
-  alignas(32) float bias16[kPanel] = {};
-
-  void set(const Part& part, int64_t p, const float* bias) {
-    col = part.col0 + p * kPanel;
-    n = std::min(kPanel, part.N - p * kPanel);
-    if (bias != nullptr) std::memcpy(bias16, bias + col, n * sizeof(float));
-  }
-};
 
 // Panels one group of `rows` rows walks side by side while streaming: enough accumulator chains
 // (rows x panels x 2) to cover the FMA latency, few enough to stay in registers.
 inline int64_t panels_side_by_side(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 constexpr int64_t kMaxSideBySide = 4;
+
+// The streaming path through the AVX-512 twin (same panels side by side, same bits).
+template <int64_t T>
+void stream_avx512(const std::vector<RowGroup>& groups, const PackedPanel<T>* src,
+                   const PanelCols* cols, int64_t np, int64_t K, float* y, int64_t ldy) {
+  using std::integral_constant;
+  for (const RowGroup& g : groups) {
+    float* yg = y + g.first * ldy;
+    for (int64_t first = 0; first < np;) {
+      const int64_t count = std::min(panels_side_by_side(g.rows), np - first);
+      dispatch_rows(g.rows, [&](auto mr) {
+        constexpr int MR = decltype(mr)::value;
+        const auto run = [&](auto panels) {
+          streamed_rows_avx512<T, MR, decltype(panels)::value>(g.x, g.xs, K, src + first,
+                                                               cols + first, yg, ldy);
+        };
+        if constexpr (MR == 1) {
+          if (count == 4) return run(integral_constant<int, 4>{});
+          if (count == 3) return run(integral_constant<int, 3>{});
+        }
+        if constexpr (MR <= 2) {
+          if (count == 2) return run(integral_constant<int, 2>{});
+        }
+        run(integral_constant<int, 1>{});
+      });
+      first += count;
+    }
+  }
+}
 
 // Panels p .. p + np - 1 (np <= kMaxSideBySide) of one part times every row group.
 template <int64_t T>
@@ -288,6 +235,12 @@ void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
       cols[i].set(part, p + i, bias);
       bias16[i] = cols[i].bias16;
       ns[i] = cols[i].n;
+    }
+    if constexpr (Wide<T>::kHas) {
+      if (avx512_enabled()) {
+        stream_avx512<T>(groups, src, cols, np, K, y, ldy);
+        return;
+      }
     }
     for (const RowGroup& g : groups) {
       for (int64_t i = 0; i < np; ++i) ys[i] = y + g.first * ldy + cols[i].col;
@@ -314,13 +267,36 @@ void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
     }
     return;
   }
-  for (int64_t i = 0; i < np; ++i) {  // unpack each panel once for all groups
-    const int64_t subs = K / D::kSub;
-    scratch.resize((K + 2 * subs) * kPanel);
-    float* q = scratch.data();
+  const int64_t subs = K / D::kSub, panel_floats = (K + 2 * subs) * kPanel;
+  const auto unpack_panel = [&](int64_t i, float* q) {
     unpack<T>(part.packed + (p + i) * panel_bytes, K, part.lay.record_bytes, q, q + K * kPanel,
               q + (K + subs) * kPanel);
-    UnpackedPanel src{q, q + K * kPanel, q + (K + subs) * kPanel, D::kSub};
+    return UnpackedPanel{q, q + K * kPanel, q + (K + subs) * kPanel, D::kSub};
+  };
+  if (avx512_enabled()) {  // unpack two panels at a time, once for all groups
+    scratch.resize(2 * panel_floats);
+    for (int64_t i = 0; i < np; i += 2) {
+      const int64_t count = std::min<int64_t>(2, np - i);
+      UnpackedPanel src[2];
+      PanelCols cols[2];
+      for (int64_t c = 0; c < count; ++c) {
+        src[c] = unpack_panel(i + c, scratch.data() + c * panel_floats);
+        cols[c].set(part, p + i + c, bias);
+      }
+      for (const RowGroup& g : groups) {
+        float* yg = y + g.first * ldy;
+        dispatch_rows(g.rows, [&](auto mr) {
+          constexpr int MR = decltype(mr)::value;
+          if (count == 2) return unpacked_rows_avx512<T, MR, 2>(g.x, g.xs, K, src, cols, yg, ldy);
+          unpacked_rows_avx512<T, MR, 1>(g.x, g.xs, K, src, cols, yg, ldy);
+        });
+      }
+    }
+    return;
+  }
+  scratch.resize(panel_floats);
+  for (int64_t i = 0; i < np; ++i) {  // unpack each panel once for all groups
+    const UnpackedPanel src = unpack_panel(i, scratch.data());
     PanelCols a;
     a.set(part, p + i, bias);
     const float* bias16[1] = {a.bias16};
@@ -346,10 +322,22 @@ void run_panels_of(const Part& part, int64_t p, int64_t np, int64_t K,
   }
 }
 
+// Whether the unpacked path runs its AVX-512 twin: where the CPU has it, unless switched off
+// (set_avx512: tests compare the two paths' bits on one machine).
+std::atomic<bool> g_avx512{__builtin_cpu_supports("avx512f") != 0};
+
 constexpr int64_t kChunksPerThread = 8;
 constexpr int64_t kMinPanelsPerThread = 4;
 
 }  // namespace
+
+bool avx512_enabled() { return g_avx512.load(std::memory_order_relaxed); }
+
+bool set_avx512(bool on) {
+  const bool previous = avx512_enabled();
+  g_avx512.store(on && __builtin_cpu_supports("avx512f"), std::memory_order_relaxed);
+  return previous;
+}
 
 // x (M, K) float32; parts stacked along N: packed[i] from quant_pack(types[i]) with ns[i]
 // output columns; bias float32 (sum ns) or None -> (M, sum ns) float32.

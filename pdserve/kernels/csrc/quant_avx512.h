@@ -1,0 +1,181 @@
+// The AVX-512 twins of quant_gemm.cpp's kernels, for CPUs that have it: one 16-lane vector
+// per panel where the AVX2 code holds two 8-lane halves. Lane c is column c and every output
+// element gets exactly the fma sequence of the AVX2 path (header comment of quant_gemm.cpp), so
+// results are bit for bit equal: a worker's tokens do not depend on which of the two its CPU
+// runs. Each function carries its own target attribute; the rest of the module stays AVX2.
+#pragma once
+
+#include "quant_panels.h"
+
+namespace pdserve::quant {
+
+#define PD_AVX512 __attribute__((target("avx512f")))
+
+// Prefill: MR rows times NP panels converted once (UnpackedPanel). A prefill's matmuls are bound
+// by the fma units, which AVX-512 doubles; two panels side by side give 12 independent chains
+// to cover the fma latency.
+template <int64_t T, int MR, int NP>
+PD_AVX512 void unpacked_rows_avx512(
+    const float* x, const float* xs, int64_t K, const UnpackedPanel* src,
+    const PanelCols* cols, float* y, int64_t ldy) {
+  using D = Dequant<T>;
+  __m512 acc[NP][MR];
+#pragma GCC unroll 16
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += D::kSub) {
+    __m512 blk[NP][MR];  // the sub-block's sums (the float types: the whole sums)
+#pragma GCC unroll 16
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) blk[p][i] = D::kScaled ? _mm512_setzero_ps() : acc[p][i];
+    for (int64_t k = k0; k < k0 + D::kSub; ++k) {
+#pragma GCC unroll 16
+      for (int p = 0; p < NP; ++p) {
+        const __m512 q = _mm512_loadu_ps(src[p].q + k * kPanel);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i)
+          blk[p][i] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[k * MR + i]), blk[p][i]);
+      }
+    }
+    const int64_t j = k0 / D::kSub;
+#pragma GCC unroll 16
+    for (int p = 0; p < NP; ++p) {
+      if constexpr (!D::kScaled) {
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) acc[p][i] = blk[p][i];
+      } else {
+        const __m512 s = _mm512_loadu_ps(src[p].s + j * kPanel);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_fmadd_ps(blk[p][i], s, acc[p][i]);
+        if constexpr (D::kOffset) {
+          const __m512 b = _mm512_loadu_ps(src[p].b + j * kPanel);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m512 xsv = _mm512_set1_ps(xs[(k0 / kOffsetSub) * MR + i]);
+            acc[p][i] = _mm512_fmadd_ps(xsv, b, acc[p][i]);
+          }
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < NP; ++p) {
+    const __m512 bias = _mm512_loadu_ps(cols[p].bias16);
+    const __mmask16 columns = static_cast<__mmask16>((1u << cols[p].n) - 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      _mm512_mask_storeu_ps(y + i * ldy + cols[p].col, columns, _mm512_add_ps(acc[p][i], bias));
+  }
+}
+
+// Decode: 16 quants (or weights) of one k of a packed record as one vector, for the types whose
+// conversion AVX-512 shortens (one widening and one conversion instead of two each). Types
+// without a Wide reader stream through the AVX2 kernel.
+template <int64_t T>
+struct Wide {
+  static constexpr bool kHas = false;
+};
+struct WideScaled32 {  // f16 scales at rec, offsets at rec + 32 (as Scaled32)
+  static constexpr bool kHas = true;
+  PD_AVX512 static __m512 scales(const uint8_t* rec, int64_t) { return f16x16(rec); }
+  PD_AVX512 static __m512 offsets(const uint8_t* rec, int64_t) { return f16x16(rec + 32); }
+  PD_AVX512 static __m512 f16x16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+template <>
+struct Wide<Q8_0> : WideScaled32 {
+  PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + k * 16));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+  }
+};
+template <>
+struct Wide<F16> : WideScaled32 {
+  PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) { return f16x16(rec + k * 32); }
+};
+template <>
+struct Wide<BF16> {
+  static constexpr bool kHas = true;
+  PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + k * 32));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+template <>
+struct Wide<F32> {
+  static constexpr bool kHas = true;
+  PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(rec) + k * 16);
+  }
+};
+
+// MR rows (at most 2) times NP packed panels (PackedPanel cursors) streamed side by side.
+template <int64_t T, int MR, int NP>
+PD_AVX512 void streamed_rows_avx512(const float* x, const float* xs, int64_t K,
+                                    const PackedPanel<T>* panels, const PanelCols* cols,
+                                    float* y, int64_t ldy) {
+  using D = Dequant<T>;
+  using W = Wide<T>;
+  PackedPanel<T> src[NP];  // local copies: their cursors stay in registers
+  __m512 acc[NP][MR];
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    src[p] = panels[p];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_setzero_ps();
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += D::kSub) {
+    __m512 blk[NP][MR];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      src[p].begin_sub(k0);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) blk[p][i] = D::kScaled ? _mm512_setzero_ps() : acc[p][i];
+    }
+    for (int64_t k = k0; k < k0 + D::kSub; ++k) {
+      __m512 xv[MR];
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) xv[i] = _mm512_set1_ps(x[k * MR + i]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const __m512 q = W::quants(src[p].rec, k - src[p].k_base);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) blk[p][i] = _mm512_fmadd_ps(q, xv[i], blk[p][i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      if constexpr (!D::kScaled) {
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) acc[p][i] = blk[p][i];
+      } else {
+        const __m512 s = W::scales(src[p].rec, src[p].j);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_fmadd_ps(blk[p][i], s, acc[p][i]);
+        if constexpr (D::kOffset) {
+          const __m512 b = W::offsets(src[p].rec, src[p].j);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m512 xsv = _mm512_set1_ps(xs[(k0 / kOffsetSub) * MR + i]);
+            acc[p][i] = _mm512_fmadd_ps(xsv, b, acc[p][i]);
+          }
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    const __m512 bias = _mm512_loadu_ps(cols[p].bias16);
+    const __mmask16 columns = static_cast<__mmask16>((1u << cols[p].n) - 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      _mm512_mask_storeu_ps(y + i * ldy + cols[p].col, columns, _mm512_add_ps(acc[p][i], bias));
+  }
+}
+
+#undef PD_AVX512
+
+}  // namespace pdserve::quant
