@@ -31,6 +31,17 @@ class CppAttentionBackend(TorchAttentionBackend):
         if self._kernel is None:
             raise ValueError(f"the C++ attention kernel does not run here ({kv.dtype})")
 
+    def kernel_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """``(seq_of_row, lens)`` for one kernel call over all of ``batch``'s rows, as
+        forward_decode / forward_extend pass them (None for a mixed batch: it runs in two)."""
+        if batch.parts is not None:
+            return None
+        if batch.is_decode:
+            assert batch.context_lens is not None
+            return None, batch.context_lens
+        assert batch.seq_of_row is not None
+        return batch.seq_of_row, batch.positions + 1
+
     def init_decode_metadata(self, batch: ForwardBatch) -> None:
         pass  # the kernel reads the lengths and the block table itself
 

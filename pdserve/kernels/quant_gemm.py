@@ -54,10 +54,10 @@ class PackedQuantWeight:
         self.type_names = [p.type_name for p in parts]
         self.part_sizes = [p.shape[0] for p in parts]
         self.out_features = sum(self.part_sizes)
-        self._type_ids = [GGML_TYPE_IDS[name] for name in self.type_names]
+        self.type_ids = [GGML_TYPE_IDS[name] for name in self.type_names]
         self.packed = [
             module.quant_pack(torch.from_numpy(p.data), type_id, self.in_features)
-            for p, type_id in zip(parts, self._type_ids, strict=True)
+            for p, type_id in zip(parts, self.type_ids, strict=True)
         ]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,7 +65,7 @@ class PackedQuantWeight:
         if x.dtype != torch.float32:
             raise TypeError(f"quantized matmul takes float32 rows, got {x.dtype}")
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = self._module.quant_linear(rows, self.packed, self._type_ids, self.part_sizes, bias)
+        y = self._module.quant_linear(rows, self.packed, self.type_ids, self.part_sizes, bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     @property

@@ -30,6 +30,7 @@ from pdserve.kernels.linear import Linear
 from pdserve.kernels.rmsnorm import add_rms_norm_, rms_norm
 from pdserve.kernels.rope import rope_tables
 from pdserve.model.config import ModelConfig
+from pdserve.model.cpp_layers import CppDecoderLayers, cpp_decoder_layers
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.weights import LayerWeights, ModelWeights
 
@@ -77,6 +78,7 @@ class LlamaModel:
         self.layers = [_Layer(w, self.act_dtype) for w in weights.layers]
         self.lm_head = Linear(weights.lm_head, None, self.act_dtype)
         self.final_norm = weights.norm.to(self.act_dtype)
+        self._cpp_layers: tuple[AttentionBackend, CppDecoderLayers | None] | None = None
         self.cos, self.sin = rope_tables(
             max_positions, config.head_dim, config.rope_theta, config.rope_scaling,
             self.act_dtype, device,
@@ -104,6 +106,9 @@ class LlamaModel:
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         # h += sublayer(x) and the next norm run as one fused add + norm (add_rms_norm_).
         x = rms_norm(h, self.layers[0].input_norm, eps)
+        cpp_layers = self._cpp_layers_for(attn)
+        if cpp_layers is not None and cpp_layers.run(h, x, cos, sin, batch):
+            return h  # the same loop, in C++ (model/cpp_layers.py)
         for i, layer in enumerate(self.layers):
             q, new_kv = self._qkv(layer, x, cos, sin)
             out = attn.forward(i, q, new_kv, batch)  # (T, H, D)
@@ -114,6 +119,15 @@ class LlamaModel:
             else:
                 h += mlp  # the final norm runs in logits(), on the rows that need it
         return h
+
+    def _cpp_layers_for(self, attn: AttentionBackend) -> CppDecoderLayers | None:
+        """The C++ decoder loop for this backend, built on first use (None: the Python loop)."""
+        if self._cpp_layers is None or self._cpp_layers[0] is not attn:
+            self._cpp_layers = (
+                attn,
+                cpp_decoder_layers(self.config, self.layers, self.act_dtype, attn),
+            )
+        return self._cpp_layers[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``(N, vocab)`` for the given (pre-final-norm) rows."""

@@ -131,6 +131,32 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& residual, const at::Tensor& x,
                          const at::Tensor& weight, double eps);
 
+// decoder_stack.cpp: a model's decoder layers in one call (the Python loop's kernels, in order).
+struct Projection {  // a Linear as the kernels hold it: quantized parts, or dense panels
+  std::vector<at::Tensor> packed;  // quant_pack()ed parts (empty: dense)
+  std::vector<int64_t> types, ns;  // their GGML types and output columns
+  at::Tensor dense;                // pack()ed panels when not quantized
+  int64_t out_features = 0;
+  std::optional<at::Tensor> bias;  // float32
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+struct DecoderLayer {
+  Projection qkv, o_proj, gate_up, down;
+  at::Tensor input_norm, post_norm;  // float32
+};
+struct DecoderStack {
+  std::vector<DecoderLayer> layers;
+  std::vector<at::Tensor> pools;  // each layer's (num_pages, 2, page_size, Hkv, D) KV view
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, sliding_window = 0;
+  double scale = 1.0, eps = 1e-6;
+  // h (T, hidden) += every layer's contributions, in place; x0 = RMSNorm(h) by layer 0's norm.
+  // seq_of_row None: one decode row per sequence, lens = context lengths; else packed prompt
+  // rows, lens = positions + 1 (see paged_attention).
+  void forward_(const at::Tensor& h, const at::Tensor& x0, const at::Tensor& cos,
+                const at::Tensor& sin, const at::Tensor& block_table,
+                const std::optional<at::Tensor>& seq_of_row, const at::Tensor& lens) const;
+};
+
 // token_bitmask.cpp: -inf at every token of ``rows`` that its int32 bitmask row disallows.
 void apply_token_bitmask_(const at::Tensor& logits, const std::vector<at::Tensor>& bitmasks,
                           const std::vector<int64_t>& rows, int64_t vocab_size);

@@ -1,0 +1,88 @@
+"""The C++ decoder loop (model/cpp_layers.py) gives every token the bits of the Python loop:
+prompt rows, decode steps and mixed steps, over dense and GGUF-quantized weights, with QKV bias
+(Qwen2) and a sliding window (Mistral); and it is the loop that runs where it can."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import pdserve.model.llama as llama
+from pdserve.model_runner import ModelRunner, RunnerConfig
+from pdserve.sampling_params import SamplingParams
+from pdserve.sequence import Sequence
+from tests.model.checkpoints import write_checkpoint
+from tests.model.gguf.conftest import demo_gguf
+
+PROMPT_LENS = [5, 17, 33, 8]
+NUM_STEPS = 6
+
+
+def _runner(model: Path) -> ModelRunner:
+    runner = ModelRunner(RunnerConfig(str(model), page_size=4, num_pages=96))
+    if runner.attn_backend.name != "cpp":
+        pytest.skip("the C++ kernels do not run here")
+    return runner
+
+
+def _seqs(runner: ModelRunner, lens: list[int], first_page: int) -> list[Sequence]:
+    gen = torch.Generator().manual_seed(sum(lens))
+    vocab = runner.model_config.vocab_size
+    return [
+        Sequence(f"s{first_page}-{i}", torch.randint(0, vocab, (n,), generator=gen).tolist(), n,
+                 SamplingParams(temperature=0), list(range(first_page + 16 * i,
+                                                           first_page + 16 * (i + 1))))
+        for i, n in enumerate(lens)
+    ]  # fmt: skip
+
+
+def _advance(seqs: list[Sequence], logits: torch.Tensor) -> None:
+    for s, row in zip(seqs, logits, strict=True):
+        s.num_cached_tokens = s.num_tokens
+        s.token_ids.append(int(row.argmax()))
+
+
+def _run(runner: ModelRunner) -> list[torch.Tensor]:
+    """A ragged prefill, decode steps, then a mixed step (a new prompt beside the decodes)."""
+    seqs = _seqs(runner, PROMPT_LENS, 0)
+    out = [runner.prefill_logits(seqs)]
+    for _ in range(NUM_STEPS):
+        _advance(seqs, out[-1])
+        out.append(runner.decode_logits(seqs))
+    _advance(seqs, out[-1])
+    batch, rows = runner._extend_batch(_seqs(runner, [11], 64), seqs)  # a prompt + the decodes
+    with torch.inference_mode():
+        out.append(runner.model.logits(runner._forward(batch)[rows]))
+    return out
+
+
+def _assert_same_bits(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fused = _runner(model)
+    fused_out = _run(fused)
+    assert fused.model._cpp_layers is not None and fused.model._cpp_layers[1] is not None
+    monkeypatch.setattr(llama, "cpp_decoder_layers", lambda *args: None)
+    python_out = _run(_runner(model))
+    for a, b in zip(fused_out, python_out, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_dense_weights_give_the_python_loop_s_bits(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _assert_same_bits(write_checkpoint(tmp_path / arch, arch), monkeypatch)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gguf_weights_give_the_python_loop_s_bits(
+    qtype: str, demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _assert_same_bits(demo_gguf(demo_dir, tmp_path, qtype), monkeypatch)
+
+
+def test_qwen3_s_head_norms_keep_the_python_loop(tmp_path: Path) -> None:
+    runner = _runner(write_checkpoint(tmp_path / "qwen3", "qwen3"))
+    runner.prefill_logits(_seqs(runner, [3], 0))
+    assert runner.model._cpp_layers is not None and runner.model._cpp_layers[1] is None
