@@ -1,7 +1,7 @@
 """llama.cpp's ``llama-server`` as a reference deployment, run beside pdserve in the same benchmark.
 
     python bench/llamacpp_ref.py build                    # once: ~15+ min on 2 cores, cached
-    python bench/llamacpp_ref.py gguf --hf-dir D --type BF16   # or Q8_0 (from the BF16 file)
+    python bench/llamacpp_ref.py gguf --hf-dir D --type BF16   # or Q8_0, Q4_K_M, ... (from BF16)
 
 llama.cpp is not a dependency of pdserve. Its source comes from the ``llama-cpp-python`` sdist on
 PyPI (``vendor/llama.cpp``), built with CMake at low priority (``nice -n 19``, 2 jobs: the box is
@@ -165,14 +165,21 @@ def ensure_build(
     return tree
 
 
+# What llama-quantize makes from the BF16 file (types GGUF users download most; Q4_K_M mixes
+# Q4_K and Q6_K, with llama.cpp's fallbacks for rows not a multiple of 256 wide).
+QUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
+FILE_TYPES = ("BF16", *QUANTIZE_TYPES)
+
+
 def gguf_path_for(hf_dir: Path, file_type: str) -> Path:
-    """Where a conversion of ``hf_dir`` to ``file_type`` (BF16, Q8_0) is cached: beside it."""
+    """Where a conversion of ``hf_dir`` to ``file_type`` (one of FILE_TYPES) is cached: beside
+    it."""
     return hf_dir.parent / f"{hf_dir.name}.{file_type}.gguf"
 
 
 def write_gguf(tree: LlamaCppTree, hf_dir: Path, file_type: str, run: Runner | None = None) -> Path:
-    """A BF16 GGUF of ``hf_dir`` by llama.cpp's converter, or a Q8_0 one quantized from that BF16
-    file by ``llama-quantize``; each written once."""
+    """A BF16 GGUF of ``hf_dir`` by llama.cpp's converter, or one of QUANTIZE_TYPES quantized
+    from that BF16 file by ``llama-quantize``; each written once."""
     run = run or run_command
     out = gguf_path_for(hf_dir, file_type)
     if out.exists():
@@ -181,11 +188,11 @@ def write_gguf(tree: LlamaCppTree, hf_dir: Path, file_type: str, run: Runner | N
     if file_type == "BF16":
         run([*NICE, sys.executable, str(tree.convert_script), str(hf_dir), "--outtype", "bf16",
              "--outfile", str(part)], tree.src)  # fmt: skip
-    elif file_type == "Q8_0":
+    elif file_type in QUANTIZE_TYPES:
         bf16 = write_gguf(tree, hf_dir, "BF16", run)
-        run([*NICE, str(tree.quantize), str(bf16), str(part), "Q8_0"], tree.root)
+        run([*NICE, str(tree.quantize), str(bf16), str(part), file_type], tree.root)
     else:
-        raise ValueError(f"unsupported GGUF file type {file_type!r}; choose BF16 or Q8_0")
+        raise ValueError(f"unsupported GGUF file type {file_type!r}; choose one of {FILE_TYPES}")
     os.replace(part, out)
     return out
 
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("action", choices=["build", "gguf"])
     p.add_argument("--hf-dir", default=None, help="gguf: the HF checkpoint to convert")
-    p.add_argument("--type", default="BF16", choices=["BF16", "Q8_0"], help="gguf: its weights")
+    p.add_argument("--type", default="BF16", choices=FILE_TYPES, help="gguf: its weights")
     args = p.parse_args(argv)
     tree = ensure_build()
     if args.action == "build":

@@ -14,8 +14,8 @@ With ``--vllm-python`` (an environment where vLLM is installed, see bench/vllm_r
 serves the same checkpoint and load in the same run, and every row gets its ratio to it: the
 fair comparison on a shared machine whose speed drifts with its neighbours' load.
 With ``--llamacpp`` llama.cpp's ``llama-server`` (bench/llamacpp_ref.py, built once) serves each
-listed GGUF under the same load: a path, or BF16 / Q8_0 for llama.cpp's own conversion of the
-checkpoint pdserve serves; pdserve's deployments serve each file too (``pd-Q4_1``,
+listed GGUF under the same load: a path, or BF16 / Q8_0 / Q4_K_M ... for llama.cpp's own
+conversion of the checkpoint pdserve serves; pdserve's deployments serve each file too (``pd-Q4_1``,
 ``colocated-Q4_1``, ...; ``--no-same-file``: only its own checkpoint). Config ``smollm2`` is
 SmolLM2-135M-Instruct (bench/real_model.py): pdserve's own checkpoint is then the bf16 HF
 directory made from the shipped Q4_1 GGUF.
@@ -138,11 +138,11 @@ async def bench_vllm(model_dir: Path, args: argparse.Namespace) -> dict[int, dic
 
 
 def llamacpp_ggufs(spec: str, model_dir: Path, tree: llamacpp_ref.LlamaCppTree) -> list[Path]:
-    """``--llamacpp``'s comma list as files: paths as given; BF16 and Q8_0 converted from the
-    checkpoint pdserve serves (cached beside it)."""
+    """``--llamacpp``'s comma list as files: paths as given; a type of llamacpp_ref.FILE_TYPES
+    (BF16, Q8_0, Q4_K_M, ...) converted from the checkpoint pdserve serves (cached beside it)."""
     out = []
     for item in filter(None, spec.split(",")):
-        is_type = item.upper() in ("BF16", "Q8_0")
+        is_type = item.upper() in llamacpp_ref.FILE_TYPES
         out.append(
             llamacpp_ref.write_gguf(tree, model_dir, item.upper()) if is_type else Path(item)
         )
@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument(
         "--llamacpp", default=None, metavar="GGUF[,GGUF...]",
-        help="llama-server on each GGUF too: a path, or BF16 / Q8_0 made from the checkpoint",
+        help="llama-server on each GGUF too: a path, or BF16, Q8_0, Q4_K_M, ... made from the "
+        "checkpoint",
     )  # fmt: skip
     p.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t")
     p.add_argument(

@@ -45,8 +45,8 @@ class FakeToolchain:
                 (bin_dir / name).write_text("#!/bin/sh\n")
         elif "--outfile" in argv:
             Path(argv[argv.index("--outfile") + 1]).write_bytes(b"GGUF bf16")
-        elif argv[-1] == "Q8_0":
-            Path(argv[-2]).write_bytes(b"GGUF q8_0")
+        elif argv[-1] in llamacpp_ref.QUANTIZE_TYPES:
+            Path(argv[-2]).write_bytes(f"GGUF {argv[-1].lower()}".encode())
 
 
 def test_build_fetches_configures_and_builds_niced_then_a_second_call_reuses_it(
@@ -58,6 +58,7 @@ def test_build_fetches_configures_and_builds_niced_then_a_second_call_reuses_it(
     configure, build = tools.commands
     assert configure[:3] == ["nice", "-n", "19"] and build[:3] == ["nice", "-n", "19"]
     assert "-DGGML_NATIVE=ON" in configure and "-DLLAMA_OPENSSL=OFF" in configure
+    assert f"-DCMAKE_CXX_FLAGS={llamacpp_ref.NO_AMX}" in configure  # its AMX matmul crashes
     assert configure[configure.index("-S") + 1] == str(tree.src)
     assert build[build.index("-j") + 1] == "2"
     assert build[build.index("--target") + 1 :] == ["llama-server", "llama-quantize"]
@@ -106,8 +107,21 @@ def test_q8_0_is_quantized_from_the_bf16_conversion_and_both_are_cached(tmp_path
     assert write_gguf(tree, hf_dir, "Q8_0", run=again.run) == q8
     assert write_gguf(tree, hf_dir, "BF16", run=again.run).read_bytes() == b"GGUF bf16"
     assert again.commands == []
-    with pytest.raises(ValueError, match="Q4_K"):
+    with pytest.raises(ValueError, match="Q4_K_M"):  # the file types are named
         write_gguf(tree, hf_dir, "Q4_K", run=again.run)
+
+
+def test_a_k_quant_mix_is_quantized_from_the_same_bf16_conversion(tmp_path: Path) -> None:
+    tree = LlamaCppTree(tmp_path / "llamacpp")
+    hf_dir = tmp_path / "models" / "smol-hf"
+    hf_dir.mkdir(parents=True)
+    tools = FakeToolchain()
+    q4km = write_gguf(tree, hf_dir, "Q4_K_M", run=tools.run)
+    assert tools.commands[-1][-1] == "Q4_K_M" and q4km.read_bytes() == b"GGUF q4_k_m"
+    assert llamacpp_ref.gguf_label(q4km) == "Q4_K_M"
+    again = FakeToolchain()
+    write_gguf(tree, hf_dir, "Q6_K", run=again.run)
+    assert len(again.commands) == 1  # the BF16 file is reused
 
 
 def test_only_the_vendored_llama_cpp_is_taken_from_the_sdist(tmp_path: Path) -> None:
