@@ -5,6 +5,8 @@
 // runs. Each function carries its own target attribute; the rest of the module stays AVX2.
 #pragma once
 
+#include <cstring>
+
 #include "quant_panels.h"
 
 namespace pdserve::quant {
@@ -70,9 +72,34 @@ PD_AVX512 void unpacked_rows_avx512(
   }
 }
 
-// Decode: 16 quants (or weights) of one k of a packed record as one vector, for the types whose
-// conversion AVX-512 shortens (one widening and one conversion instead of two each). Types
-// without a Wide reader stream through the AVX2 kernel.
+// Decode: 16 quants (or weights) of one k of a packed record as one vector, and a sub-block's
+// 16 scales and offsets, computed as Dequant<T> computes them (the same products, so the same
+// floats). Every type has one; kHas false would send a type through the AVX2 kernel.
+PD_AVX512 inline __m512 f16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+PD_AVX512 inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+PD_AVX512 inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The 4-bit plane's 8 bytes at p (byte i: column i low, column 8 + i high) as 16 lanes of ints.
+PD_AVX512 inline __m512i nibbles16x(const uint8_t* p) {
+  int64_t bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_set1_epi64x(bytes));  // the 8 bytes, twice
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+  return _mm512_and_si512(_mm512_srlv_epi32(v, shift), _mm512_set1_epi32(0x0F));
+}
+
+template <int kOffset>
+PD_AVX512 inline __m512 to_float16(__m512i q) {
+  if constexpr (kOffset != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(kOffset));
+  return _mm512_cvtepi32_ps(q);
+}
+
 template <int64_t T>
 struct Wide {
   static constexpr bool kHas = false;
@@ -81,19 +108,68 @@ struct WideScaled32 {  // f16 scales at rec, offsets at rec + 32 (as Scaled32)
   static constexpr bool kHas = true;
   PD_AVX512 static __m512 scales(const uint8_t* rec, int64_t) { return f16x16(rec); }
   PD_AVX512 static __m512 offsets(const uint8_t* rec, int64_t) { return f16x16(rec + 32); }
-  PD_AVX512 static __m512 f16x16(const uint8_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+};
+struct WideKQuant {  // Q4_K/Q5_K: s = d * sc_j, b = -(dmin * m_j) (as KQuant)
+  static constexpr bool kHas = true;
+  PD_AVX512 static __m512 scales(const uint8_t* rec, int64_t j) {
+    return _mm512_mul_ps(f16x16(rec), u8x16(rec + 64 + j * 16));
+  }
+  PD_AVX512 static __m512 offsets(const uint8_t* rec, int64_t j) {
+    const __m512 dm = _mm512_mul_ps(f16x16(rec + 32), u8x16(rec + 192 + j * 16));
+    return _mm512_sub_ps(_mm512_setzero_ps(), dm);
   }
 };
+template <int64_t kNibbles, int kOffset>
+struct WideNibbles {
+  PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
+    return to_float16<kOffset>(nibbles16x(rec + kNibbles + k * 8));
+  }
+};
+template <int64_t kNibbles, int64_t kHigh, int kOffset>
+struct WideFiveBit {  // the fifth bit: a uint16 per k, bit c for column c = lane c's mask bit
+  PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
+    uint16_t high;
+    std::memcpy(&high, rec + kHigh + k * 2, sizeof high);
+    const __m512i q = nibbles16x(rec + kNibbles + k * 8);
+    return to_float16<kOffset>(_mm512_mask_or_epi32(q, high, q, _mm512_set1_epi32(0x10)));
+  }
+};
+
 template <>
 struct Wide<Q8_0> : WideScaled32 {
+  PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) { return i8x16(rec + 32 + k * 16); }
+};
+template <>
+struct Wide<Q4_0> : WideScaled32, WideNibbles<32, 8> {};
+template <>
+struct Wide<Q4_1> : WideScaled32, WideNibbles<64, 0> {};
+template <>
+struct Wide<Q5_0> : WideScaled32, WideFiveBit<32, 32 + 256, 16> {};
+template <>
+struct Wide<Q5_1> : WideScaled32, WideFiveBit<64, 64 + 256, 0> {};
+template <>
+struct Wide<Q4_K> : WideKQuant, WideNibbles<kKQuantNibbles, 0> {};
+template <>
+struct Wide<Q5_K> : WideKQuant, WideFiveBit<kKQuantNibbles, kQ5High, 0> {};
+template <>
+struct Wide<Q6_K> {  // two high bits per column from a uint32 per k (bits 2c, 2c + 1)
+  static constexpr bool kHas = true;
   PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + k * 16));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    uint32_t high;
+    std::memcpy(&high, rec + kQ6High + k * 4, sizeof high);
+    const __m512i shift = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i h = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(high)), shift), _mm512_set1_epi32(3));
+    const __m512i q = _mm512_or_si512(nibbles16x(rec + kQ6Nibbles + k * 8), _mm512_slli_epi32(h, 4));
+    return to_float16<32>(q);
+  }
+  PD_AVX512 static __m512 scales(const uint8_t* rec, int64_t j) {
+    return _mm512_mul_ps(f16x16(rec), i8x16(rec + 32 + j * 16));
   }
 };
 template <>
-struct Wide<F16> : WideScaled32 {
+struct Wide<F16> {
+  static constexpr bool kHas = true;
   PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) { return f16x16(rec + k * 32); }
 };
 template <>

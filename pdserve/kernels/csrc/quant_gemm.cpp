@@ -21,8 +21,7 @@
 //   per-thread float32 buffer (K x 16, in L2) and every group runs over it.
 // Threads take chunks of panels from a shared counter (see dense_gemm.cpp's run() for why).
 // Where the CPU has AVX-512, both ways run their twins in quant_avx512.h (16-lane vectors, the
-// same fma sequence per element, so the same bits): the unpacked path for every type, the
-// streaming path for the types whose conversion it shortens (Q8_0, F16, BF16, F32).
+// same fma sequence per element, so the same bits), for every type.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
