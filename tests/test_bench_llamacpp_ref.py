@@ -91,10 +91,14 @@ def test_a_build_made_by_other_commands_is_not_reused(tmp_path: Path) -> None:
     assert len(again.commands) == 2 and tree.is_built()
 
 
-def test_q8_0_is_quantized_from_the_bf16_conversion_and_both_are_cached(tmp_path: Path) -> None:
-    tree = LlamaCppTree(tmp_path / "llamacpp")
+def _tree_and_hf_dir(tmp_path: Path) -> tuple[LlamaCppTree, Path]:
     hf_dir = tmp_path / "models" / "smol-hf"
     hf_dir.mkdir(parents=True)
+    return LlamaCppTree(tmp_path / "llamacpp"), hf_dir
+
+
+def test_q8_0_is_quantized_from_the_bf16_conversion_and_both_are_cached(tmp_path: Path) -> None:
+    tree, hf_dir = _tree_and_hf_dir(tmp_path)
     tools = FakeToolchain()
     q8 = write_gguf(tree, hf_dir, "Q8_0", run=tools.run)
     convert, quantize = tools.commands
@@ -112,9 +116,7 @@ def test_q8_0_is_quantized_from_the_bf16_conversion_and_both_are_cached(tmp_path
 
 
 def test_a_k_quant_mix_is_quantized_from_the_same_bf16_conversion(tmp_path: Path) -> None:
-    tree = LlamaCppTree(tmp_path / "llamacpp")
-    hf_dir = tmp_path / "models" / "smol-hf"
-    hf_dir.mkdir(parents=True)
+    tree, hf_dir = _tree_and_hf_dir(tmp_path)
     tools = FakeToolchain()
     q4km = write_gguf(tree, hf_dir, "Q4_K_M", run=tools.run)
     assert tools.commands[-1][-1] == "Q4_K_M" and q4km.read_bytes() == b"GGUF q4_k_m"

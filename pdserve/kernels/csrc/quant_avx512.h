@@ -13,68 +13,9 @@ namespace pdserve::quant {
 
 #define PD_AVX512 __attribute__((target("avx512f")))
 
-// Prefill: MR rows times NP panels converted once (UnpackedPanel). A prefill's matmuls are bound
-// by the fma units, which AVX-512 doubles; two panels side by side give 12 independent chains
-// to cover the fma latency.
-template <int64_t T, int MR, int NP>
-PD_AVX512 void unpacked_rows_avx512(
-    const float* x, const float* xs, int64_t K, const UnpackedPanel* src,
-    const PanelCols* cols, float* y, int64_t ldy) {
-  using D = Dequant<T>;
-  __m512 acc[NP][MR];
-#pragma GCC unroll 16
-  for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += D::kSub) {
-    __m512 blk[NP][MR];  // the sub-block's sums (the float types: the whole sums)
-#pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) blk[p][i] = D::kScaled ? _mm512_setzero_ps() : acc[p][i];
-    for (int64_t k = k0; k < k0 + D::kSub; ++k) {
-#pragma GCC unroll 16
-      for (int p = 0; p < NP; ++p) {
-        const __m512 q = _mm512_loadu_ps(src[p].q + k * kPanel);
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i)
-          blk[p][i] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[k * MR + i]), blk[p][i]);
-      }
-    }
-    const int64_t j = k0 / D::kSub;
-#pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p) {
-      if constexpr (!D::kScaled) {
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) acc[p][i] = blk[p][i];
-      } else {
-        const __m512 s = _mm512_loadu_ps(src[p].s + j * kPanel);
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_fmadd_ps(blk[p][i], s, acc[p][i]);
-        if constexpr (D::kOffset) {
-          const __m512 b = _mm512_loadu_ps(src[p].b + j * kPanel);
-#pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i) {
-            const __m512 xsv = _mm512_set1_ps(xs[(k0 / kOffsetSub) * MR + i]);
-            acc[p][i] = _mm512_fmadd_ps(xsv, b, acc[p][i]);
-          }
-        }
-      }
-    }
-  }
-#pragma GCC unroll 16
-  for (int p = 0; p < NP; ++p) {
-    const __m512 bias = _mm512_loadu_ps(cols[p].bias16);
-    const __mmask16 columns = static_cast<__mmask16>((1u << cols[p].n) - 1);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
-      _mm512_mask_storeu_ps(y + i * ldy + cols[p].col, columns, _mm512_add_ps(acc[p][i], bias));
-  }
-}
-
 // Decode: 16 quants (or weights) of one k of a packed record as one vector, and a sub-block's
 // 16 scales and offsets, computed as Dequant<T> computes them (the same products, so the same
-// floats). Every type has one; kHas false would send a type through the AVX2 kernel.
+// floats).
 PD_AVX512 inline __m512 f16x16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -101,16 +42,12 @@ PD_AVX512 inline __m512 to_float16(__m512i q) {
 }
 
 template <int64_t T>
-struct Wide {
-  static constexpr bool kHas = false;
-};
+struct Wide;
 struct WideScaled32 {  // f16 scales at rec, offsets at rec + 32 (as Scaled32)
-  static constexpr bool kHas = true;
   PD_AVX512 static __m512 scales(const uint8_t* rec, int64_t) { return f16x16(rec); }
   PD_AVX512 static __m512 offsets(const uint8_t* rec, int64_t) { return f16x16(rec + 32); }
 };
 struct WideKQuant {  // Q4_K/Q5_K: s = d * sc_j, b = -(dmin * m_j) (as KQuant)
-  static constexpr bool kHas = true;
   PD_AVX512 static __m512 scales(const uint8_t* rec, int64_t j) {
     return _mm512_mul_ps(f16x16(rec), u8x16(rec + 64 + j * 16));
   }
@@ -153,7 +90,6 @@ template <>
 struct Wide<Q5_K> : WideKQuant, WideFiveBit<kKQuantNibbles, kQ5High, 0> {};
 template <>
 struct Wide<Q6_K> {  // two high bits per column from a uint32 per k (bits 2c, 2c + 1)
-  static constexpr bool kHas = true;
   PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
     uint32_t high;
     std::memcpy(&high, rec + kQ6High + k * 4, sizeof high);
@@ -169,12 +105,10 @@ struct Wide<Q6_K> {  // two high bits per column from a uint32 per k (bits 2c, 2
 };
 template <>
 struct Wide<F16> {
-  static constexpr bool kHas = true;
   PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) { return f16x16(rec + k * 32); }
 };
 template <>
 struct Wide<BF16> {
-  static constexpr bool kHas = true;
   PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + k * 32));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -182,20 +116,37 @@ struct Wide<BF16> {
 };
 template <>
 struct Wide<F32> {
-  static constexpr bool kHas = true;
   PD_AVX512 static __m512 quants(const uint8_t* rec, int64_t k) {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(rec) + k * 16);
   }
 };
 
-// MR rows (at most 2) times NP packed panels (PackedPanel cursors) streamed side by side.
-template <int64_t T, int MR, int NP>
-PD_AVX512 void streamed_rows_avx512(const float* x, const float* xs, int64_t K,
-                                    const PackedPanel<T>* panels, const PanelCols* cols,
-                                    float* y, int64_t ldy) {
+// The two ways through a panel, 16 lanes at a time: its packed records converted as they are
+// read (decode), or the panel converted once by unpack() (prefill).
+template <int64_t T>
+struct WidePacked {
+  PackedPanel<T> panel;
+  void begin_sub(int64_t k0) { panel.begin_sub(k0); }
+  PD_AVX512 __m512 quants(int64_t k) const { return Wide<T>::quants(panel.rec, k - panel.k_base); }
+  PD_AVX512 __m512 scales() const { return Wide<T>::scales(panel.rec, panel.j); }
+  PD_AVX512 __m512 offsets() const { return Wide<T>::offsets(panel.rec, panel.j); }
+};
+struct WideUnpacked {
+  UnpackedPanel panel;
+  void begin_sub(int64_t k0) { panel.begin_sub(k0); }
+  PD_AVX512 __m512 quants(int64_t k) const { return _mm512_loadu_ps(panel.q + k * kPanel); }
+  PD_AVX512 __m512 scales() const { return _mm512_loadu_ps(panel.s + panel.j * kPanel); }
+  PD_AVX512 __m512 offsets() const { return _mm512_loadu_ps(panel.b + panel.j * kPanel); }
+};
+
+// MR rows times NP panels read through src[0..NP): quant_gemm.cpp's rows_times_panels with one
+// 16-lane vector per panel and row.
+template <int64_t T, int MR, int NP, typename Src>
+PD_AVX512 void rows_times_panels_avx512(const float* x, const float* xs, int64_t K,
+                                        const Src* panels, const PanelCols* cols, float* y,
+                                        int64_t ldy) {
   using D = Dequant<T>;
-  using W = Wide<T>;
-  PackedPanel<T> src[NP];  // local copies: their cursors stay in registers
+  Src src[NP];  // local copies: their cursors stay in registers
   __m512 acc[NP][MR];
 #pragma GCC unroll 8
   for (int p = 0; p < NP; ++p) {
@@ -204,7 +155,7 @@ PD_AVX512 void streamed_rows_avx512(const float* x, const float* xs, int64_t K,
     for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_setzero_ps();
   }
   for (int64_t k0 = 0; k0 < K; k0 += D::kSub) {
-    __m512 blk[NP][MR];
+    __m512 blk[NP][MR];  // the sub-block's sums (the float types: the whole sums)
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
       src[p].begin_sub(k0);
@@ -217,7 +168,7 @@ PD_AVX512 void streamed_rows_avx512(const float* x, const float* xs, int64_t K,
       for (int i = 0; i < MR; ++i) xv[i] = _mm512_set1_ps(x[k * MR + i]);
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
-        const __m512 q = W::quants(src[p].rec, k - src[p].k_base);
+        const __m512 q = src[p].quants(k);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) blk[p][i] = _mm512_fmadd_ps(q, xv[i], blk[p][i]);
       }
@@ -228,11 +179,11 @@ PD_AVX512 void streamed_rows_avx512(const float* x, const float* xs, int64_t K,
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) acc[p][i] = blk[p][i];
       } else {
-        const __m512 s = W::scales(src[p].rec, src[p].j);
+        const __m512 s = src[p].scales();
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_fmadd_ps(blk[p][i], s, acc[p][i]);
         if constexpr (D::kOffset) {
-          const __m512 b = W::offsets(src[p].rec, src[p].j);
+          const __m512 b = src[p].offsets();
 #pragma GCC unroll 8
           for (int i = 0; i < MR; ++i) {
             const __m512 xsv = _mm512_set1_ps(xs[(k0 / kOffsetSub) * MR + i]);

@@ -188,18 +188,20 @@ constexpr int64_t kMaxSideBySide = 4;
 
 // The streaming path through the AVX-512 twin (same panels side by side, same bits).
 template <int64_t T>
-void stream_avx512(const std::vector<RowGroup>& groups, const PackedPanel<T>* src,
+void stream_avx512(const std::vector<RowGroup>& groups, const PackedPanel<T>* panels,
                    const PanelCols* cols, int64_t np, int64_t K, float* y, int64_t ldy) {
   using std::integral_constant;
+  WidePacked<T> src[kMaxSideBySide];
+  for (int64_t i = 0; i < np; ++i) src[i].panel = panels[i];
   for (const RowGroup& g : groups) {
     float* yg = y + g.first * ldy;
     for (int64_t first = 0; first < np;) {
       const int64_t count = std::min(panels_side_by_side(g.rows), np - first);
       dispatch_rows(g.rows, [&](auto mr) {
         constexpr int MR = decltype(mr)::value;
-        const auto run = [&](auto panels) {
-          streamed_rows_avx512<T, MR, decltype(panels)::value>(g.x, g.xs, K, src + first,
-                                                               cols + first, yg, ldy);
+        const auto run = [&](auto side_by_side) {
+          rows_times_panels_avx512<T, MR, decltype(side_by_side)::value>(g.x, g.xs, K, src + first,
+                                                                   cols + first, yg, ldy);
         };
         if constexpr (MR == 1) {
           if (count == 4) return run(integral_constant<int, 4>{});
@@ -235,11 +237,9 @@ void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
       bias16[i] = cols[i].bias16;
       ns[i] = cols[i].n;
     }
-    if constexpr (Wide<T>::kHas) {
-      if (avx512_enabled()) {
-        stream_avx512<T>(groups, src, cols, np, K, y, ldy);
-        return;
-      }
+    if (avx512_enabled()) {
+      stream_avx512<T>(groups, src, cols, np, K, y, ldy);
+      return;
     }
     for (const RowGroup& g : groups) {
       for (int64_t i = 0; i < np; ++i) ys[i] = y + g.first * ldy + cols[i].col;
@@ -276,18 +276,19 @@ void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
     scratch.resize(2 * panel_floats);
     for (int64_t i = 0; i < np; i += 2) {
       const int64_t count = std::min<int64_t>(2, np - i);
-      UnpackedPanel src[2];
+      WideUnpacked src[2];
       PanelCols cols[2];
       for (int64_t c = 0; c < count; ++c) {
-        src[c] = unpack_panel(i + c, scratch.data() + c * panel_floats);
+        src[c].panel = unpack_panel(i + c, scratch.data() + c * panel_floats);
         cols[c].set(part, p + i + c, bias);
       }
       for (const RowGroup& g : groups) {
         float* yg = y + g.first * ldy;
         dispatch_rows(g.rows, [&](auto mr) {
           constexpr int MR = decltype(mr)::value;
-          if (count == 2) return unpacked_rows_avx512<T, MR, 2>(g.x, g.xs, K, src, cols, yg, ldy);
-          unpacked_rows_avx512<T, MR, 1>(g.x, g.xs, K, src, cols, yg, ldy);
+          if (count == 2)
+            return rows_times_panels_avx512<T, MR, 2>(g.x, g.xs, K, src, cols, yg, ldy);
+          rows_times_panels_avx512<T, MR, 1>(g.x, g.xs, K, src, cols, yg, ldy);
         });
       }
     }
