@@ -110,6 +110,29 @@ async def wait_for(
         await asyncio.sleep(interval_s)  # poll with a deadline
 
 
+async def wait_router_sees_every_worker(
+    session: aiohttp.ClientSession, router_url: str, timeout_s: float = 60.0
+) -> None:
+    """Until the router lists every worker healthy with its breaker not open (a half-open one
+    closes with the next request it is given): a router is ready once one pair is."""
+
+    async def usable() -> bool:
+        data = (await get_json(session, f"{router_url}/workers"))["data"]
+        assert all(w["state"] == "healthy" and w["breaker"] != "open" for w in data), data
+        return True
+
+    await wait_for(usable, timeout_s, "router sees every worker healthy")
+
+
+async def ensure_whole(session: aiohttp.ClientSession, procs: list[Proc], router_url: str) -> None:
+    """Restart whatever an earlier (failed) test left dead, then wait until the router sees all."""
+    for p in procs:
+        assert p.proc is not None
+        if p.proc.poll() is not None:
+            await asyncio.to_thread(p.start().wait_ready)
+    await wait_router_sees_every_worker(session, router_url)
+
+
 async def idle_problems(
     session: Any, proc: Proc, role: str, headers: dict[str, str] | None = None
 ) -> list[str]:

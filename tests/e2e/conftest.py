@@ -18,6 +18,7 @@ from tests.e2e.client import (
     QUEUE_GAUGES,
     Metrics,
     StreamResult,
+    ensure_whole,
     fetch,
     get_json,
     idle_problems,
@@ -26,6 +27,7 @@ from tests.e2e.client import (
     stream_completion,
     wait_for,
     wait_idle,
+    wait_router_sees_every_worker,
 )
 from tests.e2e.procs import (
     PORT_FLAGS,
@@ -52,6 +54,7 @@ __all__ = [
     "StreamResult",
     "WORKER_ARGS",
     "assign_distinct_ports",
+    "ensure_whole",
     "fetch",
     "free_port",
     "free_ports",
@@ -63,6 +66,7 @@ __all__ = [
     "stream_completion",
     "wait_for",
     "wait_idle",
+    "wait_router_sees_every_worker",
     "worker",
 ]
 

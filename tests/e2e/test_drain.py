@@ -23,6 +23,7 @@ from tests.e2e.conftest import (
     Proc,
     StreamResult,
     assign_distinct_ports,
+    ensure_whole,
     fetch,
     get_json,
     router,
@@ -74,17 +75,7 @@ def cluster(
 
 async def _whole(s: aiohttp.ClientSession, c: DrainCluster) -> None:
     """Every worker running and seen healthy (breaker not open) by the router."""
-    for p, _ in c.workers:
-        assert p.proc is not None
-        if p.proc.poll() is not None:
-            await asyncio.to_thread(p.start().wait_ready)
-
-    async def all_usable() -> bool:
-        data = (await get_json(s, f"{c.router.url}/workers"))["data"]
-        assert all(w["state"] == "healthy" and w["breaker"] != "open" for w in data), data
-        return True
-
-    await wait_for(all_usable, 60, "router sees every worker usable")
+    await ensure_whole(s, [p for p, _ in c.workers], c.router.url)
 
 
 def _sigterm(proc: Proc) -> None:

@@ -19,11 +19,11 @@ from bench.sse import choice_text, sse_events
 from tests.e2e.conftest import (
     Proc,
     assign_distinct_ports,
+    ensure_whole,
     fetch,
     get_json,
     router,
     scrape,
-    wait_for,
     wait_idle,
     worker,
 )
@@ -124,16 +124,7 @@ async def _serving_decode(s: aiohttp.ClientSession, c: MigrationCluster) -> Proc
 
 
 async def _ensure_whole(s: aiohttp.ClientSession, c: MigrationCluster) -> None:
-    for p in [c.prefill, *c.decodes]:
-        assert p.proc is not None
-        if p.proc.poll() is not None:
-            await asyncio.to_thread(p.start().wait_ready)
-
-    async def all_healthy() -> bool:
-        data = (await get_json(s, f"{c.router.url}/workers"))["data"]
-        return all(w["state"] == "healthy" and w["breaker"] != "open" for w in data)
-
-    await wait_for(all_healthy, 60, "router sees every worker healthy")
+    await ensure_whole(s, [c.prefill, *c.decodes], c.router.url)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -26,6 +26,7 @@ from tests.e2e.conftest import (
     Proc,
     StreamResult,
     assign_distinct_ports,
+    ensure_whole,
     fetch,
     free_port,
     get_json,
@@ -130,20 +131,7 @@ def cluster(
 
 
 async def _ensure_whole(s: aiohttp.ClientSession, c: Restartable) -> None:
-    """Restart whatever an earlier (failed) test left dead; wait until the router sees all."""
-    for p in [*c.prefills, *c.decodes, c.router]:
-        assert p.proc is not None
-        if p.proc.poll() is not None:
-            await asyncio.to_thread(p.start().wait_ready)
-
-    async def all_healthy() -> bool:
-        data = (await get_json(s, f"{c.router.url}/workers"))["data"]
-        # A half-open breaker closes with the next request it is given.
-        usable = [w["state"] == "healthy" and w["breaker"] != "open" for w in data]
-        assert all(usable), data
-        return True
-
-    await wait_for(all_healthy, 60, "router sees every worker healthy")
+    await ensure_whole(s, [*c.prefills, *c.decodes, c.router], c.router.url)
 
 
 async def _restart(

@@ -10,8 +10,15 @@ from pathlib import Path
 import aiohttp
 from safetensors.torch import load_file, save_file
 
-from tests.e2e.client import wait_for
-from tests.e2e.conftest import assign_distinct_ports, fetch, get_json, router, scrape, worker
+from tests.e2e.conftest import (
+    assign_distinct_ports,
+    fetch,
+    get_json,
+    router,
+    scrape,
+    wait_router_sees_every_worker,
+    worker,
+)
 
 BODY = {"model": "demo", "prompt": "Which weights?", "max_tokens": 4, "ignore_eos": True}
 
@@ -39,14 +46,9 @@ async def test_a_decode_with_other_weights_is_not_paired(tmp_path: Path, demo_mo
         for p in procs:
             p.wait_ready()
         async with aiohttp.ClientSession() as s:
-
-            async def all_healthy() -> bool:
-                # The router is ready once any decode is; until the others have answered a
-                # probe the first one seen is the fleet, so judge only a fully probed fleet.
-                data = (await get_json(s, f"{rt.url}/workers"))["data"]
-                return all(w["state"] == "healthy" for w in data)
-
-            await wait_for(all_healthy, 60, "router sees every worker healthy")
+            # Until the others have answered a probe the first decode seen is the fleet: judge
+            # only a fully probed fleet.
+            await wait_router_sees_every_worker(s, rt.url)
             listed = {w["url"]: w for w in (await get_json(s, f"{rt.url}/workers"))["data"]}
             assert listed[odd.url]["weights"] != listed[good.url]["weights"]
             assert listed[odd.url]["compatible"] is False

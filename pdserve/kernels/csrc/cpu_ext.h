@@ -109,8 +109,8 @@ at::Tensor quant_pack(const at::Tensor& data, int64_t type, int64_t K);
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                         const std::vector<int64_t>& types, const std::vector<int64_t>& ns,
                         const std::optional<at::Tensor>& bias);
-// Whether quant_linear's unpacked (prefill) path uses its AVX-512 twin (same bits); the setter
-// returns the previous value and stays off where the CPU lacks AVX-512.
+// Whether quant_linear runs its AVX-512 twins (same bits); the setter returns the previous
+// value and stays off where the CPU lacks AVX-512.
 bool avx512_enabled();
 bool set_avx512(bool on);
 

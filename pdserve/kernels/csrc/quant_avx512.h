@@ -163,14 +163,14 @@ PD_AVX512 void rows_times_panels_avx512(const float* x, const float* xs, int64_t
       for (int i = 0; i < MR; ++i) blk[p][i] = D::kScaled ? _mm512_setzero_ps() : acc[p][i];
     }
     for (int64_t k = k0; k < k0 + D::kSub; ++k) {
-      __m512 xv[MR];
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) xv[i] = _mm512_set1_ps(x[k * MR + i]);
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
         const __m512 q = src[p].quants(k);
+        // Broadcast at each use (an fma with a memory operand), not held: 6 rows x 2 panels of
+        // sums and accumulators already take 24 of the 32 vector registers.
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) blk[p][i] = _mm512_fmadd_ps(q, xv[i], blk[p][i]);
+        for (int i = 0; i < MR; ++i)
+          blk[p][i] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[k * MR + i]), blk[p][i]);
       }
     }
 #pragma GCC unroll 8

@@ -180,40 +180,30 @@ std::vector<RowGroup> row_groups(const float* x, int64_t M, int64_t K, std::vect
   return groups;
 }
 
-
 // Panels one group of `rows` rows walks side by side while streaming: enough accumulator chains
 // (rows x panels x 2) to cover the FMA latency, few enough to stay in registers.
 inline int64_t panels_side_by_side(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 constexpr int64_t kMaxSideBySide = 4;
 
-// The streaming path through the AVX-512 twin (same panels side by side, same bits).
-template <int64_t T>
-void stream_avx512(const std::vector<RowGroup>& groups, const PackedPanel<T>* panels,
-                   const PanelCols* cols, int64_t np, int64_t K, float* y, int64_t ldy) {
+// Streaming one group over np panels: runs of panels_side_by_side(rows) panels, each a call of
+// kernel(first panel, integral_constant MR, integral_constant NP) (AVX2 and AVX-512 alike).
+template <typename Kernel>
+void for_each_run(const RowGroup& g, int64_t np, Kernel&& kernel) {
   using std::integral_constant;
-  WidePacked<T> src[kMaxSideBySide];
-  for (int64_t i = 0; i < np; ++i) src[i].panel = panels[i];
-  for (const RowGroup& g : groups) {
-    float* yg = y + g.first * ldy;
-    for (int64_t first = 0; first < np;) {
-      const int64_t count = std::min(panels_side_by_side(g.rows), np - first);
-      dispatch_rows(g.rows, [&](auto mr) {
-        constexpr int MR = decltype(mr)::value;
-        const auto run = [&](auto side_by_side) {
-          rows_times_panels_avx512<T, MR, decltype(side_by_side)::value>(g.x, g.xs, K, src + first,
-                                                                   cols + first, yg, ldy);
-        };
-        if constexpr (MR == 1) {
-          if (count == 4) return run(integral_constant<int, 4>{});
-          if (count == 3) return run(integral_constant<int, 3>{});
-        }
-        if constexpr (MR <= 2) {
-          if (count == 2) return run(integral_constant<int, 2>{});
-        }
-        run(integral_constant<int, 1>{});
-      });
-      first += count;
-    }
+  for (int64_t first = 0; first < np;) {
+    const int64_t count = std::min(panels_side_by_side(g.rows), np - first);
+    dispatch_rows(g.rows, [&](auto mr) {
+      constexpr int MR = decltype(mr)::value;
+      if constexpr (MR == 1) {
+        if (count == 4) return kernel(first, mr, integral_constant<int, 4>{});
+        if (count == 3) return kernel(first, mr, integral_constant<int, 3>{});
+      }
+      if constexpr (MR <= 2) {
+        if (count == 2) return kernel(first, mr, integral_constant<int, 2>{});
+      }
+      kernel(first, mr, integral_constant<int, 1>{});
+    });
+    first += count;
   }
 }
 
@@ -238,31 +228,23 @@ void run_panels(const Part& part, int64_t p, int64_t np, int64_t K,
       ns[i] = cols[i].n;
     }
     if (avx512_enabled()) {
-      stream_avx512<T>(groups, src, cols, np, K, y, ldy);
+      WidePacked<T> wide[kMaxSideBySide];
+      for (int64_t i = 0; i < np; ++i) wide[i].panel = src[i];
+      for (const RowGroup& g : groups) {
+        float* yg = y + g.first * ldy;
+        for_each_run(g, np, [&](int64_t first, auto mr, auto side_by_side) {
+          rows_times_panels_avx512<T, decltype(mr)::value, decltype(side_by_side)::value>(
+              g.x, g.xs, K, wide + first, cols + first, yg, ldy);
+        });
+      }
       return;
     }
     for (const RowGroup& g : groups) {
       for (int64_t i = 0; i < np; ++i) ys[i] = y + g.first * ldy + cols[i].col;
-      for (int64_t first = 0; first < np;) {
-        const int64_t count = std::min(panels_side_by_side(g.rows), np - first);
-        const auto run = [&](auto mr, auto panels) {
-          rows_times_panels<T, decltype(mr)::value, decltype(panels)::value>(
-              g.x, g.xs, K, src + first, bias16 + first, ys + first, ldy, ns + first);
-        };
-        using std::integral_constant;
-        dispatch_rows(g.rows, [&](auto mr) {
-          constexpr int MR = decltype(mr)::value;
-          if constexpr (MR == 1) {
-            if (count == 4) return run(mr, integral_constant<int, 4>{});
-            if (count == 3) return run(mr, integral_constant<int, 3>{});
-          }
-          if constexpr (MR <= 2) {
-            if (count == 2) return run(mr, integral_constant<int, 2>{});
-          }
-          run(mr, integral_constant<int, 1>{});
-        });
-        first += count;
-      }
+      for_each_run(g, np, [&](int64_t first, auto mr, auto side_by_side) {
+        rows_times_panels<T, decltype(mr)::value, decltype(side_by_side)::value>(
+            g.x, g.xs, K, src + first, bias16 + first, ys + first, ldy, ns + first);
+      });
     }
     return;
   }
@@ -322,7 +304,7 @@ void run_panels_of(const Part& part, int64_t p, int64_t np, int64_t K,
   }
 }
 
-// Whether the unpacked path runs its AVX-512 twin: where the CPU has it, unless switched off
+// Whether both ways run their AVX-512 twins: where the CPU has it, unless switched off
 // (set_avx512: tests compare the two paths' bits on one machine).
 std::atomic<bool> g_avx512{__builtin_cpu_supports("avx512f") != 0};
 
