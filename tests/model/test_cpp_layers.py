@@ -75,6 +75,12 @@ def test_dense_weights_give_the_python_loop_s_bits(
     _assert_same_bits(write_checkpoint(tmp_path / arch, arch), monkeypatch)
 
 
+def test_a_bf16_checkpoint_as_served_gives_the_python_loop_s_bits(
+    demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _assert_same_bits(demo_dir, monkeypatch)  # bf16 weights, bf16 KV cache: the default dtype
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_gguf_weights_give_the_python_loop_s_bits(
     qtype: str, demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
