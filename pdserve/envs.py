@@ -34,6 +34,12 @@ def prepend_to_path(directory: str) -> None:
     os.environ["PATH"] = f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def offline() -> bool:
+    """``PDSERVE_OFFLINE=1``: tests that need a real model skip where it cannot be fetched
+    (offline development); without it they fail, as CI (which can always fetch) must."""
+    return os.environ.get("PDSERVE_OFFLINE", "0") == "1"
+
+
 BOOTSTRAP_TOKEN_ENV = "PDSERVE_BOOTSTRAP_TOKEN"
 
 
