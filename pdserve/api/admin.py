@@ -16,6 +16,7 @@ from pdserve.api.errors import ApiError, bad_request
 from pdserve.api.options import is_valid_id
 from pdserve.api.prepare import choice_id
 from pdserve.api.state import api_context
+from pdserve.auth import CALLER, may_abort
 from pdserve.engine.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ async def debug_rooms(request: web.Request) -> web.Response:
 
 async def abort(request: web.Request) -> web.Response:
     """POST /abort/{request_id}: end the request and its per-choice requests, at any stage.
+    An admin aborts any request; a client only one its key started (404 otherwise).
 
     A request with several choices runs as ``{rid}-0`` .. ``{rid}-{n-1}``; the caller (a router)
     only knows ``rid``, so those ids are aborted too (unknown ids are no-ops in the engine).
@@ -111,6 +113,12 @@ async def abort(request: web.Request) -> web.Response:
     if not is_valid_id(rid):
         raise bad_request(
             "Request id must be 1..128 characters of [A-Za-z0-9._:-].", param="request_id"
+        )
+    caller = request.get(CALLER)
+    if caller is None or not may_abort(caller, ctx.owners.get(rid)):
+        # Not live, or another client's: the same answer, so ids of others cannot be probed.
+        raise ApiError(
+            404, f"No request {rid} of yours is in flight.", param="request_id", code="not_found"
         )
     max_n = ctx.config.max_n
     ids = dict.fromkeys([rid, *(choice_id(rid, i, max_n) for i in range(max_n))])

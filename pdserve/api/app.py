@@ -15,7 +15,27 @@ from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
 from pdserve.api.middleware import auth_middleware, error_middleware, metrics_middleware
 from pdserve.api.state import API_CONTEXT, ApiContext
+from pdserve.auth import ABORT, ADMIN, CLIENT, METRICS, OPEN, AccessPolicy, Credentials, as_keys
 from pdserve.engine.protocol import EngineClient
+
+# Who may call each route (pdserve/auth.py); a route missing here fails build_app.
+ROUTE_ACCESS = {
+    "/v1/chat/completions": CLIENT,
+    "/v1/completions": CLIENT,
+    "/v1/responses": CLIENT,
+    "/tokenize": CLIENT,
+    "/detokenize": CLIENT,
+    "/v1/models": CLIENT,
+    "/v1/models/{model}": CLIENT,
+    "/health": OPEN,
+    "/health/ready": OPEN,
+    "/server_info": OPEN,  # a worker's identity: routers verify it before routing to it
+    "/metrics": METRICS,
+    "/debug/requests": ADMIN,
+    "/debug/rooms": ADMIN,
+    "/abort/{request_id}": ABORT,
+    "/drain": ADMIN,
+}
 
 
 def build_app(
@@ -32,9 +52,9 @@ def build_app(
     """
     drain = drain if drain is not None else DrainGate()
     metrics = HttpMetrics.create(registry)
-    middlewares = [metrics_middleware(metrics), error_middleware(metrics)]
-    if config.api_key is not None:
-        middlewares.append(auth_middleware(config.api_key))
+    creds = Credentials(as_keys(config.api_key), config.admin_api_key, None, config.metrics_open)
+    policy = AccessPolicy(creds, ROUTE_ACCESS, "worker")
+    middlewares = [metrics_middleware(metrics), error_middleware(metrics), auth_middleware(policy)]
     middlewares.append(drain_middleware(drain))  # inside auth: a drain is no key oracle
     app = web.Application(middlewares=middlewares)
     app[API_CONTEXT] = ApiContext(
@@ -61,6 +81,8 @@ def build_app(
     app.router.add_get("/debug/rooms", admin.debug_rooms, allow_head=False)
     app.router.add_post("/abort/{request_id}", admin.abort)
     app.router.add_post("/drain", admin.drain)
+    policy.check_routes(app)
+    policy.log_warnings()
     return app
 
 

@@ -16,7 +16,10 @@ class ApiConfig:
     """
 
     served_model_name: str
-    api_key: str | None = None
+    # Clients' keys: one, or a tuple (each its own owner of the requests it starts).
+    api_key: str | tuple[str, ...] | None = None
+    admin_api_key: str | None = None  # /debug/*, /drain, any abort, /metrics (pdserve/auth.py)
+    metrics_open: bool = False  # /metrics without the admin key
     max_body_bytes: int = 4 * MiB
     max_n: int = 16  # choices per HTTP request (n x number of prompts)
     max_stop_strings: int = 16

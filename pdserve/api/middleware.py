@@ -1,9 +1,8 @@
-"""Middlewares: request metrics (outermost), OpenAI-style errors, then the optional API key."""
+"""Middlewares: request metrics (outermost), OpenAI-style errors, then access (pdserve/auth.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -12,13 +11,11 @@ from aiohttp import web
 from pdserve.api.errors import INVALID_REQUEST, ApiError, internal_error
 from pdserve.api.metrics import STATUS_CLIENT_CLOSED, HttpMetrics
 from pdserve.api.state import CLIENT_GONE
+from pdserve.auth import CALLER, AccessPolicy, Denial
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# Probes and scrapers carry no key; /server_info is how a router discovers a worker.
-OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics", "/server_info"})
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
@@ -83,21 +80,25 @@ def _from_http_exception(exc: web.HTTPException) -> web.Response:
     return err.to_response(headers=headers)
 
 
-def auth_middleware(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """``Authorization: Bearer <api_key>`` on every path but :data:`OPEN_PATHS`."""
-    expected = f"Bearer {api_key}".encode()
+def auth_middleware(policy: AccessPolicy) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Each route answers only to its credential (pdserve/auth.py); the caller is left in
+    ``request[CALLER]`` for the handlers that ask whose request it is (aborts)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(given, expected):  # constant time: no key oracle
-                raise ApiError(
-                    401,
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        decision = policy.decide(
+            policy.kind_of(request), request.headers.get("Authorization"), request.remote
+        )
+        if isinstance(decision, Denial):
+            err_type = "authentication_error" if decision.status == 401 else "permission_error"
+            raise ApiError(
+                decision.status,
+                decision.message,
+                err_type=err_type,
+                code=decision.code,
+                headers=decision.headers,
+            )
+        request[CALLER] = decision
         return await handler(request)
 
     return middleware

@@ -23,6 +23,7 @@ from pdserve.api.prepare import PreparedRequest
 from pdserve.api.responses import ResponseBuilder
 from pdserve.api.sse import ClientGone, SseWriter, encode_event
 from pdserve.api.state import CLIENT_GONE, ApiContext
+from pdserve.auth import ANONYMOUS, CALLER
 from pdserve.engine.protocol import EngineError, GenerateOutput
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,18 @@ async def serve_prepared(
     request: web.Request, ctx: ApiContext, prepared: PreparedRequest, builder: ResponseBuilder
 ) -> web.StreamResponse:
     """Generate every choice of ``prepared`` and respond; always aborts what is left running."""
+    rid = prepared.request_id
+    caller = request.get(CALLER)
+    ctx.owners.start(rid, caller.owner if caller is not None else ANONYMOUS)
+    try:
+        return await _serve(request, ctx, prepared, builder)
+    finally:
+        ctx.owners.end(rid)
+
+
+async def _serve(
+    request: web.Request, ctx: ApiContext, prepared: PreparedRequest, builder: ResponseBuilder
+) -> web.StreamResponse:
     rid = prepared.request_id
     streams = _open_streams(ctx, prepared)
     writer = None

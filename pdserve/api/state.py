@@ -11,6 +11,7 @@ from pdserve.api.drain import DrainGate
 from pdserve.api.grammar_service import GrammarService
 from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
+from pdserve.auth import RequestOwners
 from pdserve.engine.protocol import EngineClient
 
 
@@ -23,6 +24,9 @@ class ApiContext:
     created: int  # advertised as the model's creation time in /v1/models
     grammars: GrammarService  # structured outputs: compiles constraints per request
     drain: DrainGate = field(default_factory=DrainGate)  # POST /drain and SIGTERM flip it
+    # request id -> owner tag (pdserve/auth.py) of each request being served: a client's
+    # abort names one of its own (api/admin.py), live or recently ended.
+    owners: RequestOwners = field(default_factory=RequestOwners)
 
 
 API_CONTEXT: web.AppKey[ApiContext] = web.AppKey("pdserve_api_context", ApiContext)

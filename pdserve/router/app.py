@@ -4,11 +4,10 @@ health checker and the dispatcher."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import random
 import re
-import uuid
+import secrets
 from collections.abc import Coroutine
 from typing import Any
 
@@ -17,6 +16,18 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.auth import (
+    ABORT,
+    ADMIN,
+    CALLER,
+    CLIENT,
+    METRICS,
+    OPEN,
+    REGISTRATION,
+    AccessPolicy,
+    Denial,
+    may_abort,
+)
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import error_response
 from pdserve.router.health import HealthChecker
@@ -25,12 +36,31 @@ from pdserve.router.metrics import build_registry
 from pdserve.router.proxy import Dispatcher
 from pdserve.router.registry_api import RegistryApi
 from pdserve.router.stats import RouterStats
+from pdserve.router.vetting import WorkerVetting
+from pdserve.router.worker_allow import WorkerAllowList
 from pdserve.router.workers import WorkerManager
 
 logger = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_OPEN_PATHS = frozenset({"/health", "/health/ready", "/health/pd", "/metrics"})
+# Who may call each route (pdserve/auth.py); a route missing here fails the router's start.
+ROUTE_ACCESS = {
+    "/v1/chat/completions": CLIENT,
+    "/v1/completions": CLIENT,
+    "/v1/responses": CLIENT,
+    "/v1/models": CLIENT,
+    "/tokenize": CLIENT,
+    "/detokenize": CLIENT,
+    "/health": OPEN,
+    "/health/ready": OPEN,
+    "/health/pd": OPEN,
+    "/metrics": METRICS,
+    "/abort/{request_id}": ABORT,
+    "/workers": ADMIN,
+    "/workers/register": REGISTRATION,
+    "/workers/deregister": REGISTRATION,
+    "/debug/requests": ADMIN,
+}
 _ID_PREFIX = {
     "/v1/chat/completions": "chatcmpl-",
     "/v1/completions": "cmpl-",
@@ -63,6 +93,8 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         self._port: int | None = None
         self.is_draining = False
+        self._access = AccessPolicy(config.credentials, ROUTE_ACCESS, "router")
+        self.allow = WorkerAllowList.parse(config.worker_allow)
 
     @property
     def port(self) -> int:
@@ -111,6 +143,7 @@ class Router:
             shutdown_timeout=cfg.abort_timeout_s,
         )
         await self._runner.setup()
+        self._access.log_warnings()
         site = web.TCPSite(self._runner, cfg.host, cfg.port)
         await site.start()
         self._port = self._runner.addresses[0][1]
@@ -186,11 +219,10 @@ class Router:
         app.router.add_get("/health/pd", self._pd_ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/abort/{request_id}", self._abort)
-        app.router.add_get("/workers", self._list_workers)
-        app.router.add_post("/workers", self._add_worker)
-        app.router.add_delete("/workers", self._remove_worker)
-        RegistryApi(self.workers, self.health).add_routes(app)
+        vetting = WorkerVetting(self.config, self.workers, self.health, self.allow)
+        RegistryApi(self.workers, self.health, vetting).add_routes(app)
         app.router.add_get("/debug/requests", self._debug_requests)
+        self._access.check_routes(app)
         return app
 
     @web.middleware
@@ -209,11 +241,15 @@ class Router:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        key = self.config.api_key
-        if key and request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return error_response(401, "invalid or missing API key", code="invalid_api_key")
+        access = self._access
+        decision = access.decide(
+            access.kind_of(request), request.headers.get("Authorization"), request.remote
+        )
+        if isinstance(decision, Denial):
+            return error_response(
+                decision.status, decision.message, code=decision.code, headers=decision.headers
+            )
+        request[CALLER] = decision
         return await handler(request)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -228,13 +264,14 @@ class Router:
             return error_response(400, "request body must be a JSON object")
         rid = request.headers.get("X-Request-Id")
         if rid is None:
-            rid = _ID_PREFIX[request.path] + uuid.uuid4().hex
+            rid = _ID_PREFIX[request.path] + secrets.token_hex(16)  # unguessable
         elif not _REQUEST_ID_RE.fullmatch(rid):
             return error_response(400, "X-Request-Id must be 1-128 chars of [A-Za-z0-9._:-]")
         assert self._dispatcher is not None
         if self._dispatcher.is_active(rid):
             return error_response(409, f"request id {rid} is already in flight")
-        return await self._dispatcher.handle(request, request.path, body, raw, rid)
+        owner = request[CALLER].owner
+        return await self._dispatcher.handle(request, request.path, body, raw, rid, owner)
 
     async def _models(self, request: web.Request) -> web.Response:
         reply = await self._ask_any_worker("GET", "/v1/models", None, ok_only=True)
@@ -309,40 +346,19 @@ class Router:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _abort(self, request: web.Request) -> web.Response:
+        """An admin aborts any request; a client only one its own key started (else 404, the
+        same answer as for an id not in flight: others' ids cannot be probed)."""
         assert self._dispatcher is not None
         rid = request.match_info["request_id"]
+        caller = request[CALLER]
+        if not may_abort(caller, self._dispatcher.owner_of(rid)):
+            message = f"no request {rid} of yours is in flight"
+            return error_response(404, message, param="request_id", code="not_found")
         return web.json_response({"aborted": self._dispatcher.abort(rid)}, dumps=_dumps)
 
     async def _debug_requests(self, request: web.Request) -> web.Response:
         assert self._dispatcher is not None
         return web.json_response({"data": self._dispatcher.debug_requests()}, dumps=_dumps)
-
-    async def _list_workers(self, request: web.Request) -> web.Response:
-        data = [w.to_json() for w in self.workers.all()]
-        return web.json_response({"data": data}, dumps=_dumps)
-
-    async def _add_worker(self, request: web.Request) -> web.Response:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return error_response(400, "request body is not valid JSON")
-        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-            return error_response(400, 'expected {"url": str, "role": str}', param="url")
-        try:
-            worker = self.workers.add(body["url"], body.get("role", ""))
-        except ValueError as exc:
-            status = 409 if "already registered" in str(exc) else 400
-            return error_response(status, str(exc))
-        await self.health.check(worker)  # bounded by health_timeout_s; answer with real state
-        return web.json_response(worker.to_json(), status=201, dumps=_dumps)
-
-    async def _remove_worker(self, request: web.Request) -> web.Response:
-        url = request.query.get("url")
-        if not url:
-            return error_response(400, "missing query parameter url", param="url")
-        if self.workers.remove(url) is None:
-            return error_response(404, f"no worker registered at {url}", param="url")
-        return web.json_response({"removed": url}, dumps=_dumps)
 
 
 def _dumps(obj: Any) -> str:

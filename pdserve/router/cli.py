@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from pdserve.cli_common import DeprecatedAlias, run_async, setup_logging
-from pdserve.envs import read_env
+from pdserve.envs import Env, read_env
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.router.app import Router
 from pdserve.router.config import POLICY_NAMES, READINESS_MODES, RouterConfig
@@ -76,11 +76,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-bytes", action=DeprecatedAlias, new="--max-body-kb", type=int, default=None
     )
-    p.add_argument("--api-key", default=None, help="clients' Bearer key ($PDSERVE_API_KEY)")
-    p.add_argument("--worker-api-key", default=None, help="Bearer key for workers (--api-key)")
+    _add_access_flags(p)
     p.add_argument("--log-level", default=None, help="default $PDSERVE_LOG_LEVEL, else INFO")
     add_parent_pid_arg(p)
     return p
+
+
+def _add_access_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("access (docs/operations.md, Access)")
+    g.add_argument(
+        "--api-key", action="append", default=None, metavar="KEY",
+        help="a client key: /v1/*, /tokenize, /detokenize, aborts of its own requests; "
+        "repeatable, one per client ($PDSERVE_API_KEY, comma-separated)",
+    )  # fmt: skip
+    g.add_argument(
+        "--admin-api-key", default=None, metavar="KEY",
+        help="/workers, /debug/*, any abort, /metrics; without it those answer only to "
+        "loopback clients ($PDSERVE_ADMIN_API_KEY)",
+    )  # fmt: skip
+    g.add_argument(
+        "--registration-token", default=None, metavar="SECRET",
+        help="what workers' self-registration must carry (--router of pdserve serve); without "
+        "it registration is open to --worker-allow ($PDSERVE_REGISTRATION_TOKEN)",
+    )  # fmt: skip
+    g.add_argument("--metrics-open", action="store_true", help="/metrics without the admin key")
+    g.add_argument(
+        "--worker-api-key", default=None, metavar="KEY",
+        help="the workers' client key, sent on every call to them (default: the first "
+        "--api-key; $PDSERVE_WORKER_API_KEY)",
+    )  # fmt: skip
+    g.add_argument(
+        "--worker-allow", action="append", default=[], metavar="CIDR|HOST",
+        help="hosts a registered or added worker URL may name (a CIDR, a host name, or "
+        ".domain for every name under it); repeatable; default: loopback and this machine's "
+        "networks",
+    )  # fmt: skip
+    g.add_argument(
+        "--served-model-name", default=None, metavar="NAME",
+        help="the model a registered or added worker must serve (default: the model the "
+        "healthy fleet serves; the first worker sets it)",
+    )  # fmt: skip
 
 
 def _add_timing_flags(p: argparse.ArgumentParser, d: RouterConfig) -> None:
@@ -98,9 +133,10 @@ def _add_timing_flags(p: argparse.ArgumentParser, d: RouterConfig) -> None:
         p.add_argument(flag, type=float, default=default, metavar="S", help=help_text)
 
 
-def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -> RouterConfig:
-    """RouterConfig from parsed flags; ``env_api_key`` fills in a missing ``--api-key``."""
-    api_key = args.api_key or env_api_key
+def config_from_args(args: argparse.Namespace, env: Env | None = None) -> RouterConfig:
+    """RouterConfig from parsed flags; ``env`` (pdserve/envs.py) fills in missing secrets."""
+    env = env or Env()
+    api_keys = tuple(args.api_key or ()) or env.api_keys
     return RouterConfig(
         host=args.host,
         port=args.port,
@@ -126,8 +162,13 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         max_worker_queue=args.max_worker_queue,
         max_prefill_backlog_tokens=args.max_prefill_backlog_tokens,
         drain_timeout_s=args.drain_timeout,
-        api_key=api_key,
-        worker_api_key=args.worker_api_key or api_key,
+        api_key=api_keys[0] if len(api_keys) == 1 else api_keys or None,
+        admin_api_key=args.admin_api_key or env.admin_api_key,
+        registration_token=args.registration_token or env.registration_token,
+        metrics_open=args.metrics_open,
+        worker_api_key=args.worker_api_key or env.worker_api_key or next(iter(api_keys), None),
+        worker_allow=tuple(args.worker_allow),
+        served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes or args.max_body_kb << 10,
     )
 
@@ -159,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
-        config = config_from_args(args, env.api_key)
+        config = config_from_args(args, env)
     except ValueError as exc:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2

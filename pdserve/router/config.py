@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.auth import Credentials, as_keys
+
 # The worker-side contract lives below the router; re-exported for the router's modules.
 from pdserve.registration_msg import WORKER_ROLES as WORKER_ROLES
 from pdserve.registration_msg import normalize_worker_url as normalize_worker_url
+from pdserve.router.worker_allow import WorkerAllowList
 
 POLICY_NAMES = ("auto", "round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
 # What the router's GET /health/ready requires: "serving", any path that serves (the decode
@@ -22,7 +25,9 @@ class RouterConfig:
     ``first_byte_timeout_s`` bounds the wait for the decode (or colocated) leg's first event;
     when it fires the attempt is retried elsewhere. ``None`` means ``request_timeout_s``.
     ``worker_api_key`` is sent as a Bearer token on every call to a worker (requests, health
-    checks, aborts); ``api_key`` is what clients must present to the router.
+    checks, aborts of its own requests): the workers' client key, never their admin key.
+    ``api_key`` (one or a tuple), ``admin_api_key`` and ``registration_token`` are what the
+    router's clients, operators and self-registering workers present (pdserve/auth.py).
     """
 
     host: str = "127.0.0.1"
@@ -51,8 +56,17 @@ class RouterConfig:
     max_backoff_s: float = 2.0
     breaker_failures: int = 3
     breaker_reset_s: float = 5.0
-    api_key: str | None = None
-    worker_api_key: str | None = None
+    # Access (pdserve/auth.py): clients' key(s), the control plane's, and registration's.
+    api_key: str | tuple[str, ...] | None = None
+    admin_api_key: str | None = None
+    registration_token: str | None = None
+    metrics_open: bool = False  # /metrics without the admin key
+    worker_api_key: str | None = None  # the workers' client key: all the router needs of them
+    # --worker-allow: CIDRs / host names a registered or added worker URL may name; empty:
+    # loopback and this machine's networks (router/worker_allow.py).
+    worker_allow: tuple[str, ...] = ()
+    # The model a registered or added worker must serve; None: what the healthy fleet serves.
+    served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     # Admission (router/load.py): a worker with this many requests queued cannot take more soon.
     max_worker_queue: int = 256
@@ -62,6 +76,10 @@ class RouterConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "worker_allow", tuple(self.worker_allow))
+        if self.worker_allow:
+            WorkerAllowList.parse(self.worker_allow)  # ValueError names a bad entry
+        self.credentials  # noqa: B018 -- ValueError if two roles share a secret
         for name in ("prefill_urls", "decode_urls", "worker_urls"):
             urls = tuple(normalize_worker_url(u) for u in getattr(self, name))
             object.__setattr__(self, name, urls)
@@ -99,6 +117,13 @@ class RouterConfig:
             raise ValueError("first_byte_timeout_s must be > 0 or None")
         if self.backoff_base_s < 0 or self.max_backoff_s < 0:
             raise ValueError("backoff times must be >= 0")
+
+    @property
+    def credentials(self) -> Credentials:
+        """What the router's own listener checks (pdserve/auth.py)."""
+        return Credentials(
+            as_keys(self.api_key), self.admin_api_key, self.registration_token, self.metrics_open
+        )
 
     @property
     def effective_first_byte_timeout_s(self) -> float:

@@ -80,13 +80,18 @@ class HealthChecker:
             return ProbeResult(False, info, f"/health/ready answered {ready_status}")
         return ProbeResult(True, info, None)
 
+    # allow_redirects=False: a worker URL passed --worker-allow; where it redirects has not.
     async def _get_status(self, url: str) -> int:
-        async with self._session.get(url, timeout=self._timeout, headers=self._headers) as resp:
+        async with self._session.get(
+            url, timeout=self._timeout, headers=self._headers, allow_redirects=False
+        ) as resp:
             await resp.read()
             return resp.status
 
     async def _get_json(self, url: str) -> Any:
-        async with self._session.get(url, timeout=self._timeout, headers=self._headers) as resp:
+        async with self._session.get(
+            url, timeout=self._timeout, headers=self._headers, allow_redirects=False
+        ) as resp:
             body = await resp.read()
             if resp.status != 200:
                 raise ValueError(f"/server_info answered {resp.status}")

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from pdserve.auth import ANONYMOUS
 from pdserve.router.admission import Admission
 from pdserve.router.attempt import Attempt, end_broken_stream
 from pdserve.router.attempt_types import (
@@ -50,6 +51,7 @@ class RequestCtx:
     is_aborted: bool = False
     outcome: str = "499"  # stats label; stays 499 if the client leaves
     tracker: StreamTracker | None = None  # a stream that may migrate (migration on)
+    owner: str = ANONYMOUS  # the tag of the client key that started it (pdserve/auth.py)
 
     def attempt_body(self) -> tuple[dict[str, Any], bytes]:
         """The body of the next attempt: the client's, or a migrated stream's continuation."""
@@ -107,6 +109,11 @@ class Dispatcher:
     def is_active(self, request_id: str) -> bool:
         return request_id in self._active
 
+    def owner_of(self, request_id: str) -> str | None:
+        """The owner tag of a request in flight; None if none is."""
+        ctx = self._active.get(request_id)
+        return ctx.owner if ctx is not None else None
+
     def debug_requests(self) -> list[dict[str, Any]]:
         """Every request the router is serving now: id, age, current attempt and its legs."""
         now = time.monotonic()
@@ -148,9 +155,10 @@ class Dispatcher:
         body: dict[str, Any],
         raw_body: bytes,
         request_id: str,
+        owner: str = ANONYMOUS,
     ) -> web.StreamResponse:
         """Serve one OpenAI request end to end (the caller checked auth and parsed the body)."""
-        ctx = RequestCtx(request_id, path, body, raw_body, time.monotonic())
+        ctx = RequestCtx(request_id, path, body, raw_body, time.monotonic(), owner=owner)
         if self._config.migration_limit > 0 and is_migratable(path, body):
             ctx.tracker = StreamTracker(
                 is_chat=path.endswith("/chat/completions"),

@@ -30,7 +30,7 @@ async def test_missing_or_wrong_api_key_is_401(
     assert resp.status == 401
     assert resp.headers["WWW-Authenticate"] == "Bearer"
     assert assert_openai_error(await resp.json())["code"] == "invalid_api_key"
-    for path in ("/v1/models", "/debug/requests"):
+    for path in ("/v1/models", "/v1/models/fake-model"):
         assert (await keyed_client.get(path, headers=headers)).status == 401
 
 
@@ -40,8 +40,10 @@ async def test_right_api_key_is_served(keyed_client: TestClient) -> None:
     assert resp.status == 200
 
 
-async def test_probes_and_metrics_stay_open_with_an_api_key(keyed_client: TestClient) -> None:
-    for path in ("/health", "/health/ready", "/metrics", "/server_info"):
+async def test_probes_stay_open_and_admin_paths_answer_loopback_without_an_admin_key(
+    keyed_client: TestClient,
+) -> None:
+    for path in ("/health", "/health/ready", "/server_info", "/metrics", "/debug/requests"):
         assert (await keyed_client.get(path)).status == 200, path
 
 

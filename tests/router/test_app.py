@@ -191,6 +191,7 @@ async def test_api_key_required_except_health_and_worker_key_forwarded(make_work
         prefill_urls=(prefill.url,),
         decode_urls=(decode.url,),
         api_key="sekret",
+        admin_api_key="admin-sekret",
         worker_api_key="worker-key",
     )
     url = router.url + "/v1/chat/completions"
@@ -199,7 +200,9 @@ async def test_api_key_required_except_health_and_worker_key_forwarded(make_work
     assert (await call("POST", url, json=CHAT, headers=bad))[0] == 401
     assert (await call("GET", router.url + "/workers"))[0] == 401
     assert (await call("GET", router.url + "/health"))[0] == 200
-    assert (await call("GET", router.url + "/metrics"))[0] == 200
+    assert (await call("GET", router.url + "/metrics"))[0] == 401  # the admin key's
+    admin = {"Authorization": "Bearer admin-sekret"}
+    assert (await call("GET", router.url + "/metrics", headers=admin))[0] == 200
     client = client_for(router, api_key="sekret")
     chat = await client.chat.completions.create(model="fake-model", messages=CHAT["messages"])
     assert chat.choices[0].message.content

@@ -8,6 +8,7 @@ import sys
 
 import aiohttp
 
+from pdserve.envs import Env
 from pdserve.router.cli import build_parser, config_from_args, main
 
 
@@ -45,7 +46,7 @@ def test_migration_and_fallback_flags():
 
 def test_env_api_key_is_the_default_and_worker_key_can_differ():
     args = build_parser().parse_args(["--worker-api-key", "w"])
-    cfg = config_from_args(args, env_api_key="from-env")
+    cfg = config_from_args(args, Env(api_key="from-env"))
     assert cfg.api_key == "from-env" and cfg.worker_api_key == "w"
     assert config_from_args(build_parser().parse_args([])).api_key is None
 
