@@ -8,7 +8,13 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logging
+from pdserve.cli_common import (
+    UNSERVABLE,
+    DeprecatedAlias,
+    add_model_args,
+    run_async,
+    setup_logging,
+)
 from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
@@ -39,7 +45,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(401), a decode sends it; give both the same ($PDSERVE_BOOTSTRAP_TOKEN)",
     )  # fmt: skip
     _add_registration_args(p)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--api-key", action="append", default=None, metavar="KEY",
+        help="a client key (a router's --worker-api-key): /v1/*, /tokenize, /detokenize, aborts "
+        "of its own requests; repeatable ($PDSERVE_API_KEY, comma-separated)",
+    )  # fmt: skip
+    p.add_argument(
+        "--admin-api-key", default=None, metavar="KEY",
+        help="/drain, /debug/*, any abort, /metrics; without it those answer only to loopback "
+        "clients ($PDSERVE_ADMIN_API_KEY)",
+    )  # fmt: skip
+    p.add_argument("--metrics-open", action="store_true", help="/metrics without the admin key")
     p.add_argument("--max-body-kb", type=int, default=4096, help="larger request bodies get 413")
     p.add_argument(
         "--json-schema-extra-keys", action="store_true",
@@ -117,8 +133,13 @@ def _add_registration_args(p: argparse.ArgumentParser) -> None:
         help="a router forgets this worker this long after its last renewal",
     )  # fmt: skip
     g.add_argument(
-        "--router-api-key", default=None,
-        help="the routers' --api-key, if they have one (default: --api-key)",
+        "--registration-token", default=None, metavar="SECRET",
+        help="the routers' --registration-token, sent with every registration "
+        "($PDSERVE_REGISTRATION_TOKEN)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-api-key", action=DeprecatedAlias, new="--registration-token",
+        dest="registration_token", default=None,
     )  # fmt: skip
 
 

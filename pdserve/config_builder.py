@@ -90,14 +90,16 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             transferring_s=args.timeout_transfer,
         ),
     )
-    api_key = args.api_key or env.api_key
+    api_keys = tuple(args.api_key or ()) or env.api_keys
     return ServerConfig(
         runner=runner,
         engine=engine,
         transport=transport,
         api=ApiConfig(
             served_model_name=model_name,
-            api_key=api_key,
+            api_key=api_keys[0] if len(api_keys) == 1 else api_keys or None,
+            admin_api_key=args.admin_api_key or env.admin_api_key,
+            metrics_open=args.metrics_open,
             max_body_bytes=args.max_body_kb << 10,
             request_deadline_s=args.timeout_request,
             json_allow_extra_keys=args.json_schema_extra_keys,
@@ -106,22 +108,23 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=port,
         cpu_lease_path=args.cpu_lease,
         advertise_host=advertised,
-        registration=registration_config_from_args(args, api_key),
+        registration=registration_config_from_args(args, env.registration_token),
         drain_timeout_s=args.drain_timeout,
     )
 
 
 def registration_config_from_args(
-    args: argparse.Namespace, api_key: str | None
+    args: argparse.Namespace, env_token: str | None = None
 ) -> RegistrationConfig | None:
-    """``--router`` and its lease flags; None without ``--router``."""
+    """``--router`` and its lease flags (``env_token``: $PDSERVE_REGISTRATION_TOKEN, used
+    without ``--registration-token``); None without ``--router``."""
     if not args.router:
         return None
     return RegistrationConfig(
         router_urls=tuple(args.router),
         interval_s=args.register_interval,
         ttl_s=args.register_ttl,
-        api_key=args.router_api_key or api_key,
+        token=args.registration_token or env_token,
     )
 
 

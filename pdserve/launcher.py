@@ -27,7 +27,7 @@ from pdserve.device import (
     is_cpu,
     same_physical_device,
 )
-from pdserve.envs import child_env
+from pdserve.envs import child_env, read_env
 from pdserve.lifetime import parent_death_preexec
 from pdserve.model.checkpoint import load_model_config
 from pdserve.model.config import ModelDirError
@@ -51,6 +51,11 @@ class ClusterConfig:
     # The shared secret of the bootstrap port, new for each cluster; the workers get it in
     # their environment (PDSERVE_BOOTSTRAP_TOKEN), not on a command line others can read.
     bootstrap_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    # The workers' client key, new for each cluster: only the router holds it (as its
+    # --worker-api-key), so clients reach the workers only through the router.
+    worker_api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    api_key: str | None = field(default=None, repr=False)  # the user's client key (router)
+    admin_api_key: str | None = field(default=None, repr=False)  # every child's, if given
     # Stopping (SIGTERM/Ctrl-C) drains every child this long before it is killed (STOP_MARGIN_S
     # more: a drained child still has to exit).
     drain_timeout_s: float = 30.0
@@ -145,9 +150,20 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
 def start_cluster(cfg: ClusterConfig, children: list[Child]) -> None:
     """Start every child, appending each to ``children`` at once (so that a signal arriving
     half-way leaves the started ones in the list that stop_cluster stops)."""
-    env = child_env(bootstrap_token=cfg.bootstrap_token)
     for name, argv, url in child_specs(cfg):
-        children.append(_spawn(name, argv, url, env))
+        children.append(_spawn(name, argv, url, child_secrets(cfg, name)))
+
+
+def child_secrets(cfg: ClusterConfig, name: str) -> dict[str, str]:
+    """A child's environment with the secrets its role needs (none on a command line): the
+    router the user's client key and the workers' key, a worker its own client key."""
+    router = name == "router"
+    return child_env(
+        bootstrap_token=cfg.bootstrap_token,
+        PDSERVE_API_KEY=cfg.api_key if router else cfg.worker_api_key,
+        PDSERVE_WORKER_API_KEY=cfg.worker_api_key if router else None,
+        PDSERVE_ADMIN_API_KEY=cfg.admin_api_key,
+    )
 
 
 def is_ready(url: str, path: str = "/health/ready") -> bool:
@@ -240,6 +256,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help="clients' key at the router ($PDSERVE_API_KEY); the workers get a key of their "
+        "own, made for this cluster",
+    )  # fmt: skip
+    p.add_argument(
+        "--admin-api-key", default=None, metavar="KEY",
+        help="every child's admin key ($PDSERVE_ADMIN_API_KEY); without it admin endpoints "
+        "answer only on loopback, where the cluster listens",
+    )  # fmt: skip
+    p.add_argument(
         "--drain-timeout", type=float, default=30.0,
         help="on SIGTERM/Ctrl-C every child drains this long (requests in flight finish) "
         "before it is killed",
@@ -282,7 +308,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     decode_device = args.decode_device or args.device
     on_cpu = is_cpu(prefill_device) and is_cpu(decode_device)
     use_lease = on_cpu if args.cpu_lease is None else args.cpu_lease
+    env = read_env()
     return ClusterConfig(
+        api_key=args.api_key or env.api_key,
+        admin_api_key=args.admin_api_key or env.admin_api_key,
         model_dir=model_dir,
         served_model_name=served_model_name(args.served_model_name, model_dir),
         router_port=args.router_port,
@@ -351,8 +380,9 @@ def main(argv: list[str]) -> int:
         print(
             f"\npdserve PD cluster ready: {url}/v1  (model {cfg.served_model_name!r})", flush=True
         )
+        auth = " -H 'Authorization: Bearer <your --api-key>'" if cfg.api_key else ""
         print(
-            f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"try: curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{cfg.served_model_name}", '
             '"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}\'',
             flush=True,

@@ -31,13 +31,14 @@ _FIRST_BACKOFF_S = 0.1
 
 @dataclass(frozen=True)
 class RegistrationConfig:
-    """Where and how often to register. ``api_key`` is the routers' ``--api-key``, if any."""
+    """Where and how often to register. ``token`` is the routers' ``--registration-token``,
+    if they have one (the only credential a registration carries: not the worker's keys)."""
 
     router_urls: tuple[str, ...]
     interval_s: float = 2.0
     ttl_s: float = 6.0
     timeout_s: float = 2.0
-    api_key: str | None = None
+    token: str | None = None
 
     def __post_init__(self) -> None:
         if not self.router_urls:
@@ -61,7 +62,7 @@ class Registration:
     def __init__(self, config: RegistrationConfig, msg: RegistrationMsg) -> None:
         self.config = config
         self.msg = msg
-        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()

@@ -188,7 +188,7 @@ def test_workers_register_with_every_router_replica_at_their_pod_ip(role: str) -
     assert args.router == router_replica_urls()
     assert "--advertise-host=$(POD_IP)" in c["args"] and args.host == "0.0.0.0"
     assert env_of(c)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    registration = registration_config_from_args(args, api_key="key")
+    registration = registration_config_from_args(args, env_token="token")
     assert registration is not None and registration.ttl_s > registration.interval_s
 
 

@@ -53,12 +53,13 @@ def test_router_flags_build_a_registration_and_the_token_reaches_the_transport(t
     args = parse(
         "--model", str(tmp_path), "--router", "http://r1:30000", "--router", "http://r2:30000",
         "--register-interval", "0.5", "--register-ttl", "2", "--bootstrap-token", "s",
-        "--api-key", "k",
+        "--registration-token", "k", "--api-key", "client-key",
     )  # fmt: skip
     config = server_config_from_args(args)
     reg = config.registration
     assert reg is not None and reg.router_urls == ("http://r1:30000", "http://r2:30000")
-    assert (reg.interval_s, reg.ttl_s, reg.api_key) == (0.5, 2.0, "k")
+    # A registration carries the registration token, never the worker's own client key.
+    assert (reg.interval_s, reg.ttl_s, reg.token) == (0.5, 2.0, "k")
     assert config.transport.bootstrap_token == "s"
     assert server_config_from_args(parse("--model", str(tmp_path))).registration is None
     bad = parse("--model", str(tmp_path), "--router", "http://r:1", "--register-ttl", "1")

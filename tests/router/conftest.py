@@ -57,6 +57,7 @@ class FakeWorker:
         self.model = "fake-model"
         self.dtype = "bfloat16"
         self.kv_layout = "layout-1"  # what /server_info publishes (router/compat.py)
+        self.weights = ""  # published as server_info.weights when set
         self.incarnation = "inc-1"
         self.bootstrap_port = bootstrap_port if role == "prefill" else None
         self.is_ready = True
@@ -73,6 +74,7 @@ class FakeWorker:
         self.aborts: list[str] = []
         self.cancelled: list[str] = []  # handlers cancelled: the router went away
         self.num_health_checks = 0
+        self.num_info_checks = 0  # GET /server_info: the router's identity probes
         self.load: dict[str, Any] | None = None  # reported as server_info.load when set
         self.tokenized: list[dict[str, Any]] = []  # /tokenize bodies (a token per word)
         self.is_tokenize_broken = False  # /tokenize answers 500
@@ -97,6 +99,7 @@ class FakeWorker:
         app.router.add_get("/server_info", self._server_info)
         app.router.add_post("/abort/{rid}", self._abort)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
         )
@@ -128,6 +131,7 @@ class FakeWorker:
         return web.json_response({"ready": self.is_ready}, status=200 if self.is_ready else 503)
 
     async def _server_info(self, request: web.Request) -> web.Response:
+        self.num_info_checks += 1
         info = {
             "role": self.role,
             "model": self.model,
@@ -140,6 +144,8 @@ class FakeWorker:
         }
         if self.load is not None:
             info["load"] = self.load
+        if self.weights:
+            info["weights"] = self.weights
         return web.json_response(info)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
@@ -149,6 +155,10 @@ class FakeWorker:
             return _error(500, "tokenizer broke")
         text = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
         return web.json_response({"count": len(text.split()), "max_model_len": 4096})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        return web.json_response({"prompt": " ".join(f"t{i}" for i in body.get("tokens", []))})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
