@@ -28,7 +28,7 @@ def normalize_worker_url(url: str) -> str:
         raise ValueError("worker url must be a non-empty string")
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"worker url must look like http://host:port, got {url!r}")
+        raise ValueError(f"worker url must be http(s)://host:port, got {url!r}")
     try:
         port = parts.port
     except ValueError as exc:
