@@ -104,7 +104,9 @@ def test_manifests_parse_and_hold_the_whole_fleet() -> None:
     for name in ("pdserve-prefill", "pdserve-decode"):
         assert ("Deployment", name) in kinds
     assert ("Service", "pdserve-router") in kinds and ("Service", "pdserve-router-peers") in kinds
-    assert ("Secret", "pdserve-api-key") in kinds and ("Secret", "pdserve-bootstrap-token") in kinds
+    for secret in ("pdserve-api-key", "pdserve-admin-api-key", "pdserve-registration-token",
+                   "pdserve-worker-keys", "pdserve-bootstrap-token"):  # fmt: skip
+        assert ("Secret", secret) in kinds, secret
     assert ("PodDisruptionBudget", "pdserve-prefill") in kinds
     assert ("PodDisruptionBudget", "pdserve-decode") in kinds
     assert ("ConfigMap", "pdserve-hooks") in kinds
@@ -215,3 +217,50 @@ def test_routers_stay_ready_on_the_decode_fallback_and_route_by_prefix() -> None
     # A fleet that lost every prefill keeps its routers in rotation: the decodes serve.
     assert args.readiness == "serving" and not args.enforce_disagg
     assert args.policy == "cache_aware"  # several prefills: prefix affinity (benchmarks.md)
+
+
+# Which secret (name, key) each credential variable of each workload comes from: least
+# privilege, one secret per credential; workers hold no key of the router but the token.
+CREDENTIALS = {
+    "pdserve-router": {
+        "PDSERVE_API_KEY": ("pdserve-api-key", "key"),
+        "PDSERVE_ADMIN_API_KEY": ("pdserve-admin-api-key", "key"),
+        "PDSERVE_REGISTRATION_TOKEN": ("pdserve-registration-token", "token"),
+        "PDSERVE_WORKER_API_KEY": ("pdserve-worker-keys", "client"),
+    },
+    **{
+        f"pdserve-{role}": {
+            "PDSERVE_API_KEY": ("pdserve-worker-keys", "client"),
+            "PDSERVE_ADMIN_API_KEY": ("pdserve-worker-keys", "admin"),
+            "PDSERVE_REGISTRATION_TOKEN": ("pdserve-registration-token", "token"),
+        }
+        for role in ("prefill", "decode")
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(CREDENTIALS))
+def test_each_workload_holds_exactly_its_own_credentials(name: str) -> None:
+    env = env_of(container(by_kind(WORKLOADS)[name]))
+    held = {
+        var: (entry["valueFrom"]["secretKeyRef"]["name"], entry["valueFrom"]["secretKeyRef"]["key"])
+        for var, entry in env.items()
+        if var in pdserve.envs.SECRET_ENVS
+    }
+    assert held == CREDENTIALS[name]
+    if name != "pdserve-router":
+        router_only = {("pdserve-api-key", "key"), ("pdserve-admin-api-key", "key")}
+        assert not router_only & set(held.values())
+
+
+def test_router_vets_registrations_and_the_drain_hook_uses_token_and_admin_key() -> None:
+    _, args = parsed_args(container(by_kind("StatefulSet")["pdserve-router"]))
+    assert args.worker_allow and args.served_model_name == "model"
+    for role in ("prefill", "decode"):
+        _, worker = parsed_args(container(by_kind("Deployment")[f"pdserve-{role}"]))
+        assert worker.served_model_name == args.served_model_name
+    hook = by_kind("ConfigMap")["pdserve-hooks"]["data"]["drain.py"]
+    assert "/workers/deregister" in hook and "PDSERVE_REGISTRATION_TOKEN" in hook
+    assert "/drain" in hook and "PDSERVE_ADMIN_API_KEY" in hook
+    assert "PDSERVE_API_KEY'" not in hook  # a client key opens neither
+    compile(hook, "drain.py", "exec")

@@ -75,6 +75,37 @@ def test_each_cluster_gets_its_own_bootstrap_token_in_the_workers_environment(
     assert config.transport.bootstrap_token == a.bootstrap_token
 
 
+def test_only_the_router_holds_the_workers_key_and_the_users_key_reaches_only_the_router(
+    tmp_path, monkeypatch
+) -> None:
+    from pdserve import launcher  # noqa: PLC0415
+    from pdserve.config_builder import server_config_from_args  # noqa: PLC0415
+    from pdserve.envs import read_env  # noqa: PLC0415
+    from pdserve.router import cli as router_cli  # noqa: PLC0415
+
+    monkeypatch.setenv("PDSERVE_REGISTRATION_TOKEN", "not-for-children")
+    argv = ["--model", str(tmp_path), "--api-key", "user-key", "--admin-api-key", "admin-key"]
+    cfg = cluster_config_from_args(parse_args(argv))
+    assert cfg.worker_api_key and cfg.worker_api_key not in repr(cfg) + "user-key"
+    specs = {name: argv for name, argv, _ in child_specs(cfg)}
+    assert all(cfg.worker_api_key not in " ".join(a) and "user-key" not in " ".join(a)
+               for a in specs.values())  # fmt: skip
+    for name, child_argv in specs.items():
+        env = launcher.child_secrets(cfg, name)
+        assert "PDSERVE_REGISTRATION_TOKEN" not in env  # the supervisor's own secrets stay
+        monkeypatch.setattr("os.environ", env)  # what the child reads
+        if name == "router":
+            router = router_cli.config_from_args(
+                router_cli.build_parser().parse_args(child_argv[1:]), read_env()
+            )
+            assert (router.api_key, router.worker_api_key) == ("user-key", cfg.worker_api_key)
+            assert router.admin_api_key == "admin-key"
+        else:
+            worker = server_config_from_args(_serve_parse(child_argv[1:]))
+            assert worker.api.api_key == cfg.worker_api_key  # not the user's key
+            assert worker.api.admin_api_key == "admin-key"
+
+
 def test_drain_timeout_reaches_every_child(tmp_path) -> None:
     cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path), "--drain-timeout", "7"]))
     specs = {name: argv for name, argv, _ in child_specs(cfg)}
