@@ -237,6 +237,10 @@ class Cluster:
         """The bench's HTTP connections (a subclass may open them from elsewhere)."""
         return aiohttp.TCPConnector(force_close=True)
 
+    def _headers(self) -> dict[str, str]:
+        """Headers of every bench call (a subclass off loopback sends its admin key)."""
+        return {}
+
     async def __aenter__(self) -> Cluster:
         await self.start()
         return self
@@ -248,7 +252,7 @@ class Cluster:
         """Start every process at once (any order works) and wait until all are ready and the
         router lists every worker healthy: it is ready once one pair is, and a bench that kills
         or compares workers must not start while the others are still unseen."""
-        self._session = aiohttp.ClientSession(connector=self._connector())
+        self._session = aiohttp.ClientSession(connector=self._connector(), headers=self._headers())
         try:
             for proc in self.procs:
                 proc.start()

@@ -28,7 +28,7 @@ import aiohttp
 
 from bench.cluster import PDSERVE, ROUTER_READY_PATH, Cluster, ClusterSpec, ManagedProc, scrape
 from bench.netns import Fabric
-from pdserve.envs import BOOTSTRAP_TOKEN_ENV
+from pdserve.envs import ADMIN_API_KEY_ENV, BOOTSTRAP_TOKEN_ENV
 
 GATEWAY = "gw"  # the router's host, and where the bench's clients connect from
 PORTS = {"router": 30000, "prefill": 30001, "decode": 30002, "colocated": 30003}
@@ -62,6 +62,9 @@ class HostsCluster(Cluster):
         self.fabric = fabric
         # One secret for the fleet's bootstrap ports, in the environment (not in argv).
         self.bootstrap_token = secrets.token_hex(16)
+        # The bench calls admin endpoints (/metrics, /debug/*, /workers) from the gateway host,
+        # off every worker's loopback: every process gets this admin key, the bench sends it.
+        self.admin_api_key = secrets.token_hex(16)
         super().__init__(spec)
         self.colocated = self._colocated() if with_colocated else None
 
@@ -113,6 +116,12 @@ class HostsCluster(Cluster):
         argv = ["router", "--host", self.fabric.address(GATEWAY), "--port", str(PORTS["router"]),
                 *self.spec.router_args]  # fmt: skip
         return self._proc("router", GATEWAY, "router", argv)
+
+    def _env(self) -> dict[str, str]:
+        return {**super()._env(), ADMIN_API_KEY_ENV: self.admin_api_key}
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_api_key}"}
 
     def _connector(self) -> aiohttp.TCPConnector:
         factory = self.fabric.socket_factory(GATEWAY)
