@@ -120,3 +120,29 @@ async def test_deregister_is_bounded_when_a_router_hangs(decode):
         assert time.monotonic() - began < 2.0
     finally:
         await runner.cleanup()
+
+
+async def test_a_router_with_a_registration_token_takes_only_registrations_carrying_it(decode):
+    router = Router(
+        replace(TEST_CONFIG, health_interval_s=0.05, registration_token="reg-token", api_key="c")
+    )
+    await router.start()
+    config = replace(FAST, router_urls=(router.url,))
+    registrations = {
+        token: Registration(replace(config, token=token), msg_for(decode))
+        for token in (None, "c", "reg-token")  # none, the client key, the token
+    }
+    try:
+        for token in (None, "c"):
+            registrations[token].start()
+        # Several renewals' worth of tries: still not registered.
+        assert not await registrations[None].wait_registered(timeout_s=0.5)
+        assert not await registrations["c"].wait_registered(timeout_s=0.1)
+        assert router.workers.get(decode.url) is None and decode.num_info_checks == 0
+        registrations["reg-token"].start()
+        assert await registrations["reg-token"].wait_registered(timeout_s=5)
+        assert router.workers.get(decode.url) is not None
+    finally:
+        for registration in registrations.values():
+            await registration.deregister()
+        await router.stop()
