@@ -273,6 +273,3 @@ class RequestOwners:
 
     def get(self, request_id: str) -> str | None:
         return self._live.get(request_id) or self._recent.get(request_id)
-
-    def __len__(self) -> int:
-        return len(self._live)
