@@ -16,6 +16,7 @@ from pdserve.api.protocol import (
     parse_completion_request,
     resolve_request_id,
 )
+from pdserve.api.reasoning import attach_reasoning
 from pdserve.api.responses import ChatResponseBuilder, CompletionResponseBuilder
 from pdserve.api.responses_api import ResponsesBuilder, chat_body
 from pdserve.api.serve import serve_prepared
@@ -41,7 +42,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
     await _attach_grammars(ctx, prepared)
-    builder = ChatResponseBuilder(prepared, ctx.token_texts, parsed.tools)
+    reasoning = attach_reasoning(
+        prepared.engine_requests, ctx.reasoning, parsed.reasoning, parsed.template.kwargs,
+        engine.tokenizer,
+    )  # fmt: skip
+    builder = ChatResponseBuilder(prepared, ctx.token_texts, parsed.tools, reasoning)
     return await serve_prepared(request, ctx, prepared, builder)
 
 

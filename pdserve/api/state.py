@@ -11,6 +11,7 @@ from pdserve.api.drain import DrainGate
 from pdserve.api.grammar_service import GrammarService
 from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
+from pdserve.api.reasoning import ReasoningTokens
 from pdserve.engine.protocol import EngineClient
 
 
@@ -23,6 +24,7 @@ class ApiContext:
     created: int  # advertised as the model's creation time in /v1/models
     grammars: GrammarService  # structured outputs: compiles constraints per request
     drain: DrainGate = field(default_factory=DrainGate)  # POST /drain and SIGTERM flip it
+    reasoning: ReasoningTokens | None = None  # --reasoning-parser, resolved in the tokenizer
 
 
 API_CONTEXT: web.AppKey[ApiContext] = web.AppKey("pdserve_api_context", ApiContext)
