@@ -76,7 +76,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
     prepared = await prepare_chat(
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
-    builder = ResponsesBuilder(ChatResponseBuilder(prepared, ctx.token_texts, None), body)
+    # The thinking block is split off (the output text is the answer; no reasoning items yet).
+    reasoning = attach_reasoning(
+        prepared.engine_requests, ctx.reasoning, parsed.reasoning, parsed.template.kwargs,
+        engine.tokenizer,
+    )  # fmt: skip
+    chat = ChatResponseBuilder(prepared, ctx.token_texts, None, reasoning)
+    builder = ResponsesBuilder(chat, body)
     return await serve_prepared(request, ctx, prepared, builder)
 
 

@@ -161,6 +161,18 @@ async def test_a_budget_needs_a_reasoning_parser(demo_dir) -> None:
     assert status == 200 and engine.requests[-1].reasoning.max_tokens == 8
 
 
+async def test_the_responses_api_answers_with_the_answer_only(demo_dir) -> None:
+    case = CASES[2]
+    tok = Tokenizer.from_dir(demo_dir)
+    engine = ScriptedEngine(tok, tok.encode(case["text"], add_special_tokens=False), 4)
+    app = build_app(engine, make_config(reasoning_parser="deepseek_r1"), CollectorRegistry())
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        resp = await client.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+        out = await resp.json()
+    assert resp.status == 200, out
+    assert out["output"][0]["content"][0]["text"] == case["content"]
+
+
 def test_a_parser_whose_tags_are_not_tokens_of_the_model_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="not one token"):
         build_app(FakeEngine(), make_config(reasoning_parser="deepseek_r1"), CollectorRegistry())
