@@ -100,6 +100,18 @@ async def test_recorded_outputs_split_right_streamed_and_not(demo_dir, case, chu
     assert message["content"] == case["content"]
 
 
+async def test_each_choice_has_its_own_split(demo_dir) -> None:
+    case = CASES[1]
+    tok = Tokenizer.from_dir(demo_dir)
+    script = tok.encode(case["text"], add_special_tokens=False)
+    status, raw = await _post(ScriptedEngine(tok, script, 2), _body(case, n=2, stream=True))
+    chunks, _ = parse_sse(raw)
+    for index in (0, 1):
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == index]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == case["reasoning"]
+        assert "".join(d.get("content") or "" for d in deltas) == case["content"]
+
+
 async def test_tool_calls_are_parsed_from_the_answer_after_the_thinking(demo_dir) -> None:
     case = next(c for c in CASES if c["name"] == "empty_block_then_tool_call")
     tok = Tokenizer.from_dir(demo_dir)

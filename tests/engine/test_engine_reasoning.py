@@ -29,9 +29,19 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    path: Path = write_demo_model(tmp_path_factory.mktemp("think"), DemoShape(thinking=True))
-    return ModelRunner(RunnerConfig(model_dir=str(path), kv_cache_bytes=16 << 20))
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("think"), DemoShape(thinking=True))
+
+
+@pytest.fixture(scope="module")
+def runner(demo_dir: Path) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_dir=str(demo_dir), kv_cache_bytes=16 << 20))
+
+
+@pytest.fixture(scope="module")
+def small_runner(demo_dir: Path) -> ModelRunner:
+    """A KV cache so small that a few concurrent requests force preemption."""
+    return ModelRunner(RunnerConfig(model_dir=str(demo_dir), page_size=4, num_pages=24))
 
 
 def _tags(runner: ModelRunner) -> tuple[int, int]:
@@ -136,6 +146,34 @@ async def test_thinking_then_json_tokens_do_not_depend_on_the_batch(runner) -> N
                  max_tokens=40, temperature=0.7, seed=4),
         )  # fmt: skip
         assert tokens(batched[0]) == alone
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_preempted_thinking_requests_resume_their_block_and_grammar(
+    small_runner, monkeypatch
+) -> None:
+    engine = await started(small_runner)
+    preempted: list[str] = []
+    original = engine.scheduler._preempt
+
+    def spy(req):  # record, then preempt as usual
+        preempted.append(req.request_id)
+        original(req)
+
+    monkeypatch.setattr(engine.scheduler, "_preempt", spy)
+    try:
+        prompt = _prompt(small_runner)
+        runs = [dict(SAMPLED, seed=s, max_tokens=60) for s in range(4)]
+        solo = [tokens(await _run(engine, small_runner, f"s{i}", prompt, 30, **sp))
+                for i, sp in enumerate(runs)]  # fmt: skip
+        together = await asyncio.gather(
+            *(_run(engine, small_runner, f"t{i}", prompt, 30, **sp) for i, sp in enumerate(runs))
+        )
+        assert preempted  # some were re-prefilled mid-way, their thinking state kept
+        assert all(s.index(_tags(small_runner)[1]) == 30 for s in solo)
+        assert [tokens(t) for t in together] == solo
         await assert_idle(engine)
     finally:
         await engine.stop()
