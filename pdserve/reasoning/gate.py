@@ -57,11 +57,9 @@ def starts_thinking(
 ) -> bool:
     """Does generation start inside a thinking block? Read from the prompt's last tokens: an
     opening tag there (R1, Qwen3-2507 thinking templates) says yes, a closing one (Qwen3 with
-    ``enable_thinking: false``) no; otherwise ``default`` (the model opens the block itself)."""
-    for i in range(
-        len(prompt_ids) - 1, max(-1, len(prompt_ids) - 2 - _MAX_TRAILING_SPACE_TOKENS), -1
-    ):
-        token = prompt_ids[i]
+    ``enable_thinking: false``) no; otherwise ``default`` (True for both parsers: the model
+    opens the block itself, or thinks without the tag)."""
+    for token in reversed(prompt_ids[-(_MAX_TRAILING_SPACE_TOKENS + 1) :]):
         if token == start_id:
             return True
         if token == end_id:

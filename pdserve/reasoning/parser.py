@@ -82,10 +82,8 @@ class ReasoningSplitter:
 
     def finish(self) -> tuple[str, str]:
         """What is still held at the end of the output: text that never became a tag."""
-        held, self._held = self._held, ""
-        if self._is_thinking:
-            return held, ""
-        return "", "" if self._at_answer_start else held
+        held, self._held = self._held, ""  # only thinking text is ever held
+        return (held, "") if self._is_thinking else ("", "")
 
     def split(self, text: str) -> tuple[str, str]:
         """A whole output: (thinking, answer)."""
