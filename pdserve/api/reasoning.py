@@ -17,6 +17,7 @@ Request fields (chat completions):
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from pdserve.api.validation import as_bool, as_int, optional
 from pdserve.engine.protocol import GenerateOutput, GenerateRequest, TokenizerLike
 from pdserve.reasoning.gate import ReasoningSpec, starts_thinking
 from pdserve.reasoning.parser import PARSERS, ReasoningFormat, ReasoningSplitter
+
+logger = logging.getLogger(__name__)
 
 BUDGET_FIELDS = ("thinking_token_budget", "thinking_budget", "max_reasoning_tokens")
 REASONING_FIELDS = frozenset({*BUDGET_FIELDS, "include_reasoning"})
@@ -89,6 +92,12 @@ def resolve_reasoning(parser_name: str | None, tokenizer: TokenizerLike) -> Reas
                 f"vocabulary (it encodes to {len(encoded)}): not a {parser_name} tokenizer"
             )
         ids.append(encoded[0])
+        if tokenizer.decode(encoded, skip_special_tokens=True) != tag:
+            # The split reads the text: a special tag is left out of it by default.
+            logger.warning(
+                "--reasoning-parser %s: %r is a special token of this tokenizer; requests must "
+                "send skip_special_tokens: false for it to be split off", parser_name, tag,
+            )  # fmt: skip
     return ReasoningTokens(fmt, ids[0], ids[1])
 
 
