@@ -18,6 +18,7 @@ from pdserve.cli_common import (
 from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
+from pdserve.reasoning.parser import PARSERS
 
 if TYPE_CHECKING:
     from pdserve.server import Server
@@ -61,6 +62,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--json-schema-extra-keys", action="store_true",
         help="JSON schemas that say nothing of additionalProperties allow undeclared keys (JSON "
         "Schema's reading); by default they do not, as in vLLM (xgrammar's strict mode)",
+    )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", default=None, choices=sorted(PARSERS),
+        help="split a thinking model's <think>...</think> block off its answer: "
+        "reasoning_content in chat responses, grammars start after it (vLLM's names)",
     )  # fmt: skip
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")

@@ -31,6 +31,7 @@ from pdserve.envs import child_env, read_env
 from pdserve.lifetime import parent_death_preexec
 from pdserve.model.checkpoint import load_model_config
 from pdserve.model.config import ModelDirError
+from pdserve.reasoning.parser import PARSERS
 from pdserve.router.config import POLICY_NAMES
 
 
@@ -254,6 +255,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--policy", choices=POLICY_NAMES, default=None,
         help="the router's routing policy (default: the router's)",
     )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", default=None, choices=sorted(PARSERS),
+        help="both workers split a thinking model's <think> block off its answer "
+        "(pdserve serve --reasoning-parser)",
+    )  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument(
         "--api-key", default=None, metavar="KEY",
@@ -295,6 +301,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         "--max-model-len": args.max_model_len,
         "--num-threads": args.num_threads,
         "--decode-threads": args.decode_threads,  # None is auto, the workers' default
+        "--reasoning-parser": args.reasoning_parser,
     }
     for flag, value in optional.items():
         if value is not None:

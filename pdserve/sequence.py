@@ -13,6 +13,7 @@ from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.grammar.matcher import GrammarMatcher
+    from pdserve.reasoning.gate import ThinkingState
 
 
 @dataclass(slots=True, eq=False)
@@ -25,6 +26,8 @@ class Sequence:
     num_cached_tokens: int = 0  # tokens whose K/V are already written into page_ids
     # Structured output: the runner masks each step by it, the engine advances it per token.
     grammar: GrammarMatcher | None = None
+    # A reasoning request: where its thinking block stands (its grammar sleeps until it ends).
+    reasoning: ThinkingState | None = None
 
     @property
     def num_tokens(self) -> int:

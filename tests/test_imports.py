@@ -130,7 +130,8 @@ def _unit(module: str) -> str:
 LOWER = {
     "attention", "auth", "device", "envs", "file_lock", "fsm", "grammar", "identity", "kernels",
     "kv_sizing", "lifetime", "model",
-    "model_runner", "registration_msg", "runner_config", "sampler", "sampling_params", "sequence",
+    "model_runner", "reasoning", "registration_msg", "runner_config", "sampler", "sampling_params",
+    "sequence",
     "thread_tuning", "transport", "types",
 }  # fmt: skip
 SERVING = {

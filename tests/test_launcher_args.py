@@ -23,12 +23,14 @@ def test_every_worker_flag_given_to_up_reaches_the_workers(tmp_path) -> None:
     argv = ["--model", str(tmp_path), "--dtype", "float32", "--page-size", "8",
             "--kv-cache-mb", "32", "--max-num-seqs", "5", "--max-prefill-tokens", "512",
             "--max-model-len", "256", "--num-threads", "2", "--decode-threads", "1",
-            "--no-chunked-prefill", "--no-prefix-caching"]  # fmt: skip
+            "--no-chunked-prefill", "--no-prefix-caching",
+            "--reasoning-parser", "qwen3"]  # fmt: skip
     cfg = cluster_config_from_args(parse_args(argv))
     worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
     expected = {"dtype": "float32", "page_size": 8, "kv_cache_mb": 32, "max_num_seqs": 5,
                 "max_prefill_tokens": 512, "max_model_len": 256, "num_threads": 2,
-                "decode_threads": 1, "chunked_prefill": False, "prefix_caching": False}  # fmt: skip
+                "decode_threads": 1, "chunked_prefill": False, "prefix_caching": False,
+                "reasoning_parser": "qwen3"}  # fmt: skip
     assert {k: getattr(worker, k) for k in expected} == expected
 
 

@@ -14,6 +14,7 @@ from pdserve.api.grammar_service import GrammarService
 from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
 from pdserve.api.middleware import auth_middleware, error_middleware, metrics_middleware
+from pdserve.api.reasoning import resolve_reasoning
 from pdserve.api.state import API_CONTEXT, ApiContext
 from pdserve.auth import ABORT, ADMIN, CLIENT, METRICS, OPEN, AccessPolicy, Credentials, as_keys
 from pdserve.engine.protocol import EngineClient
@@ -65,6 +66,7 @@ def build_app(
         created=int(time.time()),
         grammars=GrammarService(engine.tokenizer),
         drain=drain,
+        reasoning=resolve_reasoning(config.reasoning_parser, engine.tokenizer),
     )
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)

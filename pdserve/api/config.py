@@ -38,3 +38,5 @@ class ApiConfig:
     # JSON schemas: may objects hold keys their schema does not declare when it says nothing
     # of additionalProperties? False: no (vLLM's default); True: yes (JSON Schema's reading).
     json_allow_extra_keys: bool = False
+    # --reasoning-parser (qwen3, deepseek_r1): thinking text goes to reasoning_content.
+    reasoning_parser: str | None = None

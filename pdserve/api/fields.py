@@ -13,6 +13,7 @@ from typing import Any
 
 from pdserve.api import vllm_fields
 from pdserve.api.errors import unrecognized_argument, unsupported
+from pdserve.api.reasoning import REASONING_FIELDS
 from pdserve.api.resume import RESUME_FIELDS
 from pdserve.api.structured import GUIDED_FIELDS, GUIDED_IGNORED
 
@@ -64,6 +65,7 @@ CHAT_SUPPORTED = (
         "add_generation_prompt",
     }
     | vllm_fields.CHAT_HONOURED
+    | REASONING_FIELDS  # thinking_token_budget (vLLM), thinking_budget (SGLang), ...
 )
 COMPLETION_SUPPORTED = _COMMON | _EXTENSIONS | {"prompt", "echo"} | vllm_fields.HONOURED
 

@@ -12,10 +12,12 @@ from pdserve.api.errors import model_not_found, unsupported
 from pdserve.api.options import RequestOptions
 from pdserve.api.prepare import PreparedRequest, prepare_chat, prepare_completion
 from pdserve.api.protocol import (
+    ChatCompletionRequest,
     parse_chat_request,
     parse_completion_request,
     resolve_request_id,
 )
+from pdserve.api.reasoning import ChoiceReasoning, attach_reasoning
 from pdserve.api.responses import ChatResponseBuilder, CompletionResponseBuilder
 from pdserve.api.responses_api import ResponsesBuilder, chat_body
 from pdserve.api.serve import serve_prepared
@@ -41,7 +43,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
     await _attach_grammars(ctx, prepared)
-    builder = ChatResponseBuilder(prepared, ctx.token_texts, parsed.tools)
+    reasoning = _attach_reasoning(ctx, prepared, parsed)
+    builder = ChatResponseBuilder(prepared, ctx.token_texts, parsed.tools, reasoning)
     return await serve_prepared(request, ctx, prepared, builder)
 
 
@@ -71,7 +74,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
     prepared = await prepare_chat(
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
-    builder = ResponsesBuilder(ChatResponseBuilder(prepared, ctx.token_texts, None), body)
+    # The thinking block is split off (the output text is the answer; no reasoning items yet).
+    chat = ChatResponseBuilder(
+        prepared, ctx.token_texts, None, _attach_reasoning(ctx, prepared, parsed)
+    )
+    builder = ResponsesBuilder(chat, body)
     return await serve_prepared(request, ctx, prepared, builder)
 
 
@@ -96,6 +103,16 @@ async def _attach_grammars(ctx: ApiContext, prepared: PreparedRequest) -> None:
     matchers = await ctx.grammars.matchers(constraint, prepared.num_choices)
     for req, matcher in zip(prepared.engine_requests, matchers, strict=True):
         req.grammar = matcher
+
+
+def _attach_reasoning(
+    ctx: ApiContext, prepared: PreparedRequest, parsed: ChatCompletionRequest
+) -> ChoiceReasoning | None:
+    # --reasoning-parser: each choice's thinking block for the engine, its split for the reply.
+    return attach_reasoning(
+        prepared.engine_requests, ctx.reasoning, parsed.reasoning, parsed.template.kwargs,
+        ctx.engine.tokenizer,
+    )  # fmt: skip
 
 
 def _model_card(ctx: ApiContext) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pdserve.api import fields
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import bad_request, model_not_found, unrecognized_argument, unsupported
 from pdserve.api.options import RequestOptions, is_valid_id, parse_options
+from pdserve.api.reasoning import ReasoningOptions, parse_reasoning_options
 from pdserve.api.structured import allowing_extra_keys
 from pdserve.api.tools import ToolConfig, parse_tools
 from pdserve.api.validation import as_bool, as_list, as_object, as_str, optional, require
@@ -77,6 +78,7 @@ class ChatCompletionRequest:
     options: RequestOptions = field(default_factory=RequestOptions)
     tools: ToolConfig | None = None
     template: TemplateOptions = field(default_factory=TemplateOptions)
+    reasoning: ReasoningOptions = field(default_factory=ReasoningOptions)
 
 
 @dataclass(slots=True)
@@ -139,7 +141,8 @@ def parse_chat_request(
             "'continue_final_message' needs the last message to be from the assistant.",
             param="continue_final_message",
         )
-    return ChatCompletionRequest(model, messages, options, tools, template)
+    reasoning = parse_reasoning_options(body, config.reasoning_parser)
+    return ChatCompletionRequest(model, messages, options, tools, template, reasoning)
 
 
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})

@@ -1,7 +1,7 @@
 """OpenAI response objects built from engine deltas (plain dicts, encoded by the caller).
 
-One builder per HTTP request. Streaming: :meth:`chunk` per delta. Non-streaming: :meth:`add` per
-delta, then :meth:`response`. Both keep the per-choice counters that ``usage`` reports.
+One builder per HTTP request: :meth:`chunk` per streamed delta, or :meth:`add` per delta then
+:meth:`response`; either way it keeps the per-choice counters that ``usage`` reports.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pdserve.api.logprobs import (
     vllm_prompt_logprobs,
 )
 from pdserve.api.prepare import PreparedRequest
+from pdserve.api.reasoning import ChoiceReasoning
 from pdserve.api.tools import ToolCall, ToolConfig, may_start_call, parse_tool_calls
 from pdserve.engine.protocol import GenerateOutput, TokenLogprob
 
@@ -167,10 +168,14 @@ class ChatResponseBuilder(ResponseBuilder):
     chunk_object = "chat.completion.chunk"
 
     def __init__(
-        self, prepared: PreparedRequest, texts: TokenTexts, tools: ToolConfig | None = None
+        self,
+        prepared: PreparedRequest,
+        texts: TokenTexts,
+        tools: ToolConfig | None = None,
+        reasoning: ChoiceReasoning | None = None,
     ) -> None:
         super().__init__(prepared, texts)
-        n = prepared.num_choices
+        self._reasoning, n = reasoning, prepared.num_choices  # reasoning: --reasoning-parser
         self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         # Tool calls are parsed from the text: streamed text is held from where one may start.
         self._tools = tools if tools is not None and tools.mode != "none" else None
@@ -190,6 +195,11 @@ class ChatResponseBuilder(ResponseBuilder):
 
     def chunk(self, index: int, out: GenerateOutput) -> dict[str, Any] | None:
         """The chunk for one delta, or None when it carries nothing a client would see."""
+        if self._reasoning is not None:  # the thinking block first, then content and tools
+            return self._reasoning.chunk(index, out, self._content_chunk, self._chunk)
+        return self._content_chunk(index, out)
+
+    def _content_chunk(self, index: int, out: GenerateOutput) -> dict[str, Any] | None:
         self._record(index, out)
         logprobs = self._logprob_block(out)
         if self._tools is not None:
@@ -268,7 +278,13 @@ class ChatResponseBuilder(ResponseBuilder):
         return response
 
     def _message(self, index: int) -> tuple[dict[str, Any], str | None]:
-        text, finish = "".join(self._texts[index]), self._finish_reasons[index]
+        text = "".join(self._texts[index])
+        if self._reasoning is not None:
+            return self._reasoning.message(index, text, self._content_message)
+        return self._content_message(index, text)
+
+    def _content_message(self, index: int, text: str) -> tuple[dict[str, Any], str | None]:
+        finish = self._finish_reasons[index]
         if self._tools is None:
             return {"role": "assistant", "content": text}, finish
         content, calls = parse_tool_calls(text, self._tools)

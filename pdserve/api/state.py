@@ -11,6 +11,7 @@ from pdserve.api.drain import DrainGate
 from pdserve.api.grammar_service import GrammarService
 from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
+from pdserve.api.reasoning import ReasoningTokens
 from pdserve.auth import RequestOwners
 from pdserve.engine.protocol import EngineClient
 
@@ -27,6 +28,7 @@ class ApiContext:
     # request id -> owner tag (pdserve/auth.py) of each request being served: a client's
     # abort names one of its own (api/admin.py), live or recently ended.
     owners: RequestOwners = field(default_factory=RequestOwners)
+    reasoning: ReasoningTokens | None = None  # --reasoning-parser, resolved in the tokenizer
 
 
 API_CONTEXT: web.AppKey[ApiContext] = web.AppKey("pdserve_api_context", ApiContext)

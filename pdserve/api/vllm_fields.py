@@ -37,13 +37,14 @@ HONOURED = frozenset(
         "request_id",
     }
 )
-CHAT_HONOURED = HONOURED | {"documents"}
+# Reasoning (api/reasoning.py): include_reasoning, and the thinking budget (with
+# --reasoning-parser; without one, only its neutral -1).
+CHAT_HONOURED = HONOURED | {"documents", "include_reasoning", "thinking_token_budget"}
 
-# Accepted and without effect, as in vLLM: session identity (no per-session state here),
-# render-endpoint switches vLLM ignores on generation endpoints, and reasoning output (the
-# model has no reasoning parser, so there is nothing to include or leave out).
+# Accepted and without effect, as in vLLM: session identity (no per-session state here) and
+# render-endpoint switches vLLM ignores on generation endpoints.
 IGNORED = frozenset({"session_id", "return_token_offsets", "return_mm_kwargs"})
-CHAT_IGNORED = IGNORED | {"include_reasoning"}
+CHAT_IGNORED = IGNORED
 
 
 def _is_empty(value: Any) -> bool:
@@ -79,11 +80,11 @@ CONDITIONAL: dict[str, Rule] = {
     ),
     "thinking_token_budget": (
         lambda v: v is None or (v == -1 and is_int(v)),
-        "this model has no thinking budget",
+        "a thinking budget applies to chat completions (with --reasoning-parser)",
     ),
 }
 CHAT_CONDITIONAL: dict[str, Rule] = {
-    **CONDITIONAL,
+    **{k: v for k, v in CONDITIONAL.items() if k not in CHAT_HONOURED},
     "echo": (_is_false, "chat echo (prepending the last message) is not available"),
     "chat_template": (_is_empty, "a per-request chat template is not accepted"),
     "media_io_kwargs": (_is_empty, "media inputs are not available"),

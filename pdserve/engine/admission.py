@@ -11,6 +11,7 @@ from pdserve.engine.protocol import EngineError, GenerateRequest, ResumeState
 from pdserve.engine.request import Request
 from pdserve.kernels.kv_cache import KVCacheConfig
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.reasoning.gate import ThinkingState, grammar_sees
 from pdserve.sequence import Sequence
 
 
@@ -36,6 +37,8 @@ def new_request(
         )  # fmt: skip
     seq = Sequence(request.request_id, list(request.prompt_token_ids), num_prompt, sp)
     seq.grammar = request.grammar
+    if request.reasoning is not None:
+        ThinkingState.attach(seq, request.reasoning)  # the grammar sleeps while it thinks
     req = Request(request.request_id, seq, request.kv_transfer, resume=request.resume)
     req.out_state = OutputState(req.request_id, seq, tokenizer, max_model_len)
     if request.resume is not None:
@@ -53,7 +56,8 @@ def _resume(req: Request, resume: ResumeState) -> None:
     seq = req.seq
     for token in resume.token_ids:
         seq.token_ids.append(token)
-        if seq.grammar is not None and not seq.grammar.accept(token):
+        is_fed = grammar_sees(seq, token)
+        if is_fed and seq.grammar is not None and not seq.grammar.accept(token):
             raise EngineError(
                 f"resume_params.token_ids: token {token} does not fit the response format",
                 400, "invalid_request_error", "resume_params",

@@ -36,6 +36,7 @@ from pdserve.engine.warmup import warm_up
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY
 from pdserve.model_runner import ModelRunner
+from pdserve.reasoning.gate import grammar_sees
 from pdserve.thread_tuning import should_calibrate
 
 logger = logging.getLogger(__name__)
@@ -248,8 +249,9 @@ class Engine:
         req.move(RequestState.RUNNING, "kv received")
         self.disarm(req)
         # The prefill sampled it under the same grammar: this matcher continues from there.
+        is_fed = grammar_sees(seq, first_token)  # a thinking block: the grammar sleeps
         if seq.grammar is not None:
-            if not self.steps.advance_grammar(req, first_token):
+            if is_fed and not self.steps.advance_grammar(req, first_token):
                 return
             seq.grammar.prefetch()
         self.emit(req, [first_token], [logprob] if logprob is not None else None)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.reasoning.gate import ReasoningSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.types import TokenLogprob as TokenLogprob  # part of what the engine streams
 
@@ -49,6 +50,7 @@ class GenerateRequest:
     deadline_s: float | None = None  # overall request deadline, relative to admission
     grammar: GrammarMatcher | None = None  # structured output: this stream's own matcher
     resume: ResumeState | None = None  # migrated: continue after these generated tokens
+    reasoning: ReasoningSpec | None = None  # a thinking block: the grammar starts after it
 
 
 @dataclass(slots=True)

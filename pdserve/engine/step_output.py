@@ -20,6 +20,7 @@ from pdserve.grammar.matcher import prefetch_all
 from pdserve.kernels.kv_ready import KVReady
 from pdserve.kernels.prompt_logprobs import PromptLogprobs
 from pdserve.model_runner import ModelRunner, RunnerOutput
+from pdserve.reasoning.gate import grammar_sees
 from pdserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ class StepOutputs:
             seq = req.seq
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(tok)
-            if seq.grammar is not None and not self.advance_grammar(req, tok):
+            is_fed = grammar_sees(seq, tok)  # False inside a thinking block and at its end
+            if is_fed and seq.grammar is not None and not self.advance_grammar(req, tok):
                 continue
             if kv_ready is not None:  # a prefill row
                 handoff = self.hooks.handoff

@@ -10,7 +10,9 @@ Each edit is a handful of vectorised ops over the rows that need it:
   filled in the background during the forward: pdserve.grammar.filler). On the CPU one C++
   call sets the disallowed logits of every constrained row to -inf (csrc/token_bitmask.cpp);
   elsewhere the rows are stacked and their bytes looked up in a 256 x 8 table into a 0 / -inf
-  bias added to those rows. Padded vocabulary columns past the tokenizer's are disallowed too.
+  bias added to those rows. Padded vocabulary columns past the tokenizer's are disallowed too;
+- thinking budget: a row whose budget is spent (pdserve.reasoning.gate) allows only its
+  end-of-thinking token, whatever the edits before.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class LogitsProcessing:
     suppress_ids: torch.Tensor | None = None  # (M,) int64
     grammar_rows: list[int] | None = None
     matchers: list[GrammarMatcher] | None = None
+    forced_rows: torch.Tensor | None = None  # (F,) int64: only forced_ids[i] allowed there
+    forced_ids: torch.Tensor | None = None  # (F,) int64
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Edited ``logits`` ``(B, V)`` float32 (modified in place and returned)."""
@@ -47,6 +51,9 @@ class LogitsProcessing:
             logits[self.suppress_rows, self.suppress_ids] = _NEG_INF
         if self.matchers:
             apply_grammar_masks(logits, self.grammar_rows, self.matchers)
+        if self.forced_rows is not None:
+            logits.index_fill_(0, self.forced_rows, _NEG_INF)
+            logits[self.forced_rows, self.forced_ids] = 0.0
         return logits
 
 
@@ -120,6 +127,7 @@ def needs_processing(seq: Sequence) -> bool:
         seq.grammar is not None
         or bool(sp.logit_bias)
         or (sp.min_tokens > 0 and seq.num_generated < sp.min_tokens)
+        or (seq.reasoning is not None and seq.reasoning.must_end)
     )
 
 
@@ -137,6 +145,8 @@ def logits_processing_for(
     s_ids: list[int] = []
     g_rows: list[int] = []
     matchers: list[GrammarMatcher] = []
+    f_rows: list[int] = []
+    f_ids: list[int] = []
     for row, seq in enumerate(seqs):
         sp = seq.sampling
         if sp.logit_bias:
@@ -150,6 +160,9 @@ def logits_processing_for(
         if seq.grammar is not None:
             g_rows.append(row)
             matchers.append(seq.grammar)
+        if seq.reasoning is not None and seq.reasoning.must_end:
+            f_rows.append(row)
+            f_ids.append(seq.reasoning.spec.end_id)
 
     def ints(values: list[int]) -> torch.Tensor:
         return _to_device(torch.tensor(values, dtype=torch.int64), device)
@@ -161,4 +174,6 @@ def logits_processing_for(
         out.suppress_rows, out.suppress_ids = ints(s_rows), ints(s_ids)
     if matchers:
         out.grammar_rows, out.matchers = g_rows, matchers
+    if f_rows:
+        out.forced_rows, out.forced_ids = ints(f_rows), ints(f_ids)
     return out

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +59,15 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# The thinking variant (DemoShape.thinking): as Qwen3 does, enable_thinking false closes an
+# empty block in the prompt; otherwise the model opens <think> itself.
+THINK_TAGS = ("<think>", "</think>")
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}",
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,9 @@ class DemoShape:
     target_vocab_size: int = 4096
     seed: int = 0
     max_corpus_bytes: int = 2_000_000
+    # A Qwen3-architecture thinking model: <think> / </think> as single (non-special) tokens,
+    # a template with enable_thinking, Q/K head norms.
+    thinking: bool = False
 
 
 def default_demo_dir() -> Path:
@@ -102,6 +122,8 @@ def train_tokenizer(shape: DemoShape) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(shape.max_corpus_bytes), trainer)
+    if shape.thinking:  # as in Qwen3's tokenizer: added tokens, kept in decoded text
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in THINK_TAGS])
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
@@ -130,15 +152,21 @@ def _random_weights(shape: DemoShape, vocab: int) -> dict[str, torch.Tensor]:
             f"{p}input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
             f"{p}post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
         }
+        if shape.thinking:  # Qwen3's per-head RMSNorm of queries and keys
+            tensors[f"{p}self_attn.q_norm.weight"] = torch.ones(d, dtype=torch.bfloat16)
+            tensors[f"{p}self_attn.k_norm.weight"] = torch.ones(d, dtype=torch.bfloat16)
     tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
     tensors["lm_head.weight"] = normal(vocab, h)
     return tensors
 
 
 def _hf_config(shape: DemoShape, vocab: int, bos: int, eos: list[int]) -> dict[str, object]:
+    arch, model_type = (
+        ("Qwen3ForCausalLM", "qwen3") if shape.thinking else ("LlamaForCausalLM", "llama")
+    )
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -181,7 +209,7 @@ def write_demo_model(path: str | Path, shape: DemoShape | None = None) -> Path:
             "bos_token": BOS,
             "eos_token": IM_END,
             "pad_token": EOS,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": THINKING_CHAT_TEMPLATE if shape.thinking else CHAT_TEMPLATE,
             "model_max_length": shape.max_position_embeddings,
             "clean_up_tokenization_spaces": False,
         },

@@ -124,6 +124,10 @@ class StreamTracker:
             self.is_exact = False  # a worker that does not name its tokens
         if text:
             self.num_text_chars += len(text)
+        if (delta or {}).get("reasoning_content"):
+            # The worker's reasoning parser rewrote the text (tags out, the thinking apart):
+            # the characters the client has are no longer offsets into it to resume from.
+            self.is_exact = False
         is_opening = bool(delta) and "role" in delta
         if choice.get("finish_reason") is not None:
             self.is_finished = True

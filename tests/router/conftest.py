@@ -62,6 +62,7 @@ class FakeWorker:
         self.bootstrap_port = bootstrap_port if role == "prefill" else None
         self.is_ready = True
         self.num_chunks = 4
+        self.num_thinking_chunks = 0  # chat: the first N chunks carry reasoning_content
         self.fail_status: int | None = None  # answer completions with this error status
         self.fail_code: str | None = None  # ... and this OpenAI error code
         self.is_hanging = False  # completions never answer until cancelled or aborted
@@ -225,6 +226,8 @@ class FakeWorker:
                 finish = "abort"
                 break
             chunk = _chunk(request.path, rid, self.model, f"t{i} ", None)
+            if i < self.num_thinking_chunks:  # a worker's --reasoning-parser at work
+                chunk["choices"][0]["delta"] = {"reasoning_content": f"t{i} "}
             if with_ids:
                 chunk["choices"][0]["token_ids"] = [i]
             await out.write(_sse(chunk))

@@ -72,6 +72,30 @@ async def test_migration_stops_at_its_limit_and_ends_the_stream_with_an_error(
     assert router.stats.requests_by_status["stream_error"] == 1
 
 
+async def test_reasoning_deltas_pass_through_and_such_a_stream_is_not_resumed(
+    make_worker, make_router
+):
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    decode.num_thinking_chunks = 2
+    router = await make_router(prefill_urls=(prefill.url,), decode_urls=(decode.url,))
+    status, raw = await post(router, {**CHAT, "stream": True}, rid="think-1")
+    assert status == 200
+    deltas = [c["delta"] for p in sse_events(raw)[:-1] for c in orjson.loads(p)["choices"]]
+    assert [d.get("reasoning_content") for d in deltas if "reasoning_content" in d] == [
+        "t0 ", "t1 "
+    ]  # fmt: skip
+    assert _texts(raw, True) == ["t2 ", "t3 "]
+    # Its text offsets are not the worker's raw text: a break is not resumed, it ends the stream.
+    decode.die_after_chunks = 3
+    d2 = await make_worker("decode")
+    router = await make_router(prefill_urls=(prefill.url,), decode_urls=(decode.url, d2.url))
+    d2.num_thinking_chunks, d2.die_after_chunks = 2, 3
+    status, raw = await post(router, {**CHAT, "stream": True}, rid="think-2")
+    assert status == 200 and b"stream_broken" in sse_events(raw)[-2]
+    assert router.stats.num_migrations == 0
+    assert not [r for d in (decode, d2) for r in d.requests if "resume_params" in r.body]
+
+
 def test_tracker_takes_token_ids_out_and_keeps_the_first_stream_id():
     tracker = StreamTracker(is_chat=True)
     first = {"id": "a", "created": 1, "choices": [{"delta": {"role": "assistant", "content": ""}}]}
