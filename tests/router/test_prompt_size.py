@@ -57,8 +57,8 @@ def test_a_count_comes_from_a_vllm_shaped_answer_or_not_at_all() -> None:
 def test_a_responses_input_counts_as_the_chat_it_stands_for() -> None:
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo"}]
     as_string = {"input": "héllo", "instructions": "be brief"}
-    as_items = {"instructions": "be brief",
-                "input": [{"role": "user", "content": [{"type": "input_text", "text": "héllo"}]}]}  # fmt: skip
+    parts = [{"type": "input_text", "text": "hé"}, {"type": "input_text", "text": "llo"}]
+    as_items = {"instructions": "be brief", "input": [{"role": "user", "content": parts}]}
     high = len(orjson.dumps(chat)) + len(orjson.dumps(None)) + TEMPLATE_SLACK_TOKENS
     for body in (as_string, as_items):
         assert conversation(body) == chat
