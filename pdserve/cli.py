@@ -12,6 +12,7 @@ from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logg
 from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
+from pdserve.tls import add_tls_args
 
 if TYPE_CHECKING:
     from pdserve.server import Server
@@ -39,6 +40,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(401), a decode sends it; give both the same ($PDSERVE_BOOTSTRAP_TOKEN)",
     )  # fmt: skip
     _add_registration_args(p)
+    add_tls_args(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-body-kb", type=int, default=4096, help="larger request bodies get 413")
     p.add_argument(

@@ -131,7 +131,7 @@ LOWER = {
     "attention", "device", "envs", "file_lock", "fsm", "grammar", "identity", "kernels",
     "kv_sizing", "lifetime", "model",
     "model_runner", "registration_msg", "runner_config", "sampler", "sampling_params", "sequence",
-    "thread_tuning", "transport", "types",
+    "thread_tuning", "tls", "transport", "types",
 }  # fmt: skip
 SERVING = {
     "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher", "llm",

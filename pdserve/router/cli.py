@@ -14,6 +14,7 @@ from pdserve.envs import read_env
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.router.app import Router
 from pdserve.router.config import POLICY_NAMES, READINESS_MODES, RouterConfig
+from pdserve.tls import add_tls_args, tls_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="clients' Bearer key ($PDSERVE_API_KEY)")
     p.add_argument("--worker-api-key", default=None, help="Bearer key for workers (--api-key)")
     p.add_argument("--log-level", default=None, help="default $PDSERVE_LOG_LEVEL, else INFO")
+    add_tls_args(p)
     add_parent_pid_arg(p)
     return p
 
@@ -129,6 +131,7 @@ def config_from_args(args: argparse.Namespace, env_api_key: str | None = None) -
         api_key=api_key,
         worker_api_key=args.worker_api_key or api_key,
         max_body_bytes=args.max_body_bytes or args.max_body_kb << 10,
+        tls=tls_config_from_args(args),
     )
 
 
