@@ -10,13 +10,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from bench.tls_certs import make_certs
 from pdserve import cli, generate, launcher
 from pdserve.cli import DEFAULT_GIL_SWITCH_INTERVAL_MS, add_serve_args, apply_gil_switch_interval
 from pdserve.config_builder import runner_config_from_args, server_config_from_args
 from pdserve.router import cli as router_cli
 from pdserve.tls import TLSConfig
 from tests.model.checkpoints import convert_checkpoint, write_checkpoint
-from tests.tls_certs import make_certs
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
+from bench.tls_certs import make_certs
 from pdserve.cli import add_serve_args
 from pdserve.launcher import Child, child_specs, cluster_config_from_args, parse_args, stop_cluster
-from tests.tls_certs import make_certs
 
 
 def _serve_parse(argv: list[str]):

@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bench.tls_certs import make_certs
 from pdserve.api.app import start_http
 from pdserve.tls import TLSConfig
-from tests.tls_certs import make_certs
 
 
 def test_without_flags_everything_is_plain_http() -> None:

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from bench.tls_certs import CertFiles, make_certs
 from tests.e2e.conftest import Cluster, Proc, router, worker
 from tests.e2e.procs import assign_distinct_ports
-from tests.tls_certs import CertFiles, make_certs
 
 
 def https(proc: Proc) -> None:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
+from bench.tls_certs import make_certs
 from pdserve.fsm import Room, RoomState
 from pdserve.tls import TLSConfig
 from pdserve.transport.bootstrap import (
@@ -23,7 +24,6 @@ from pdserve.transport.bootstrap import (
 from pdserve.transport.messages import HeartbeatMsg, RoomMsg
 from pdserve.transport.receiver import KVReceiver
 from pdserve.transport.sender import KVSender
-from tests.tls_certs import make_certs
 from tests.transport.conftest import Endpoints, fill, outcome, pages_equal, until
 from tests.transport.procs import free_port
 

@@ -1,5 +1,6 @@
-"""A throwaway certificate authority for TLS tests: a CA and a server certificate it signed
-for 127.0.0.1 and localhost, written as PEM files (generated in the test, never checked in)."""
+"""A throwaway certificate authority for TLS tests and benches: a CA and a server certificate
+it signed for 127.0.0.1 and localhost, written as PEM files (made at run time, never checked
+in)."""
 
 from __future__ import annotations
 
