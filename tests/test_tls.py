@@ -3,6 +3,7 @@ contexts a listener serves and a caller verifies with."""
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from bench.tls_certs import make_certs
+from pdserve import launcher
 from pdserve.api.app import start_http
 from pdserve.tls import TLSConfig
 
@@ -62,5 +64,21 @@ async def test_a_listener_serves_https_that_only_a_client_trusting_its_ca_accept
         async with aiohttp.ClientSession(timeout=timeout) as s:  # plain HTTP to a TLS port
             with pytest.raises(aiohttp.ClientError):
                 await s.get(f"http://127.0.0.1:{port}/")
+    finally:
+        await runner.cleanup()
+
+
+async def test_pdserve_ups_readiness_poll_speaks_https_trusting_the_given_ca(
+    tmp_path: Path,
+) -> None:
+    certs = make_certs(tmp_path)
+    served = TLSConfig(str(certs.cert), str(certs.key), str(certs.ca)).check()
+    app = web.Application()
+    app.router.add_get("/health/ready", _hello)
+    runner, port = await start_http(app, "127.0.0.1", 0, ssl_context=served.server_context())
+    url = f"https://127.0.0.1:{port}"
+    try:
+        assert await asyncio.to_thread(launcher.is_ready, url, "/health/ready", served)
+        assert not await asyncio.to_thread(launcher.is_ready, url, "/health/ready", TLSConfig())
     finally:
         await runner.cleanup()
