@@ -128,10 +128,7 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
         common += ["--cpu-lease", cfg.cpu_lease_path]
     common += ["--drain-timeout", str(cfg.drain_timeout_s)]
     router = ["router", "--port", str(cfg.router_port), "--drain-timeout", str(cfg.drain_timeout_s)]
-    tls_args = [a for flag, path in (("--ssl-certfile", cfg.tls.certfile),
-                ("--ssl-keyfile", cfg.tls.keyfile), ("--ssl-ca-certs", cfg.tls.ca_certs))
-                if path is not None for a in (flag, path)]  # fmt: skip
-    common, router = [*common, *tls_args], [*router, *tls_args]
+    common, router = [*common, *cfg.tls.flags()], [*router, *cfg.tls.flags()]
     scheme = cfg.tls.scheme
     if cfg.policy is not None:
         router += ["--policy", cfg.policy]

@@ -42,6 +42,12 @@ class TLSConfig:
     def scheme(self) -> str:
         return "https" if self.is_enabled else "http"
 
+    def flags(self) -> list[str]:
+        """The command-line flags that give a child process this configuration."""
+        given = (("--ssl-certfile", self.certfile), ("--ssl-keyfile", self.keyfile),
+                 ("--ssl-ca-certs", self.ca_certs))  # fmt: skip
+        return [a for flag, path in given if path is not None for a in (flag, path)]
+
     def server_context(self) -> ssl.SSLContext | None:
         """The listeners' context (TLS 1.2 or later), or None for plain HTTP."""
         if self.certfile is None:
