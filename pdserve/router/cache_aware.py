@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.router.prompt_size import conversation
+from pdserve.router.prompt_size import conversation, part_texts
 from pdserve.router.workers import Worker
 
 
@@ -135,5 +135,5 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: their text, in order
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(part_texts(content))
     return ""

@@ -59,8 +59,15 @@ def conversation(body: dict[str, Any]) -> list[dict[str, Any]] | None:
 def _input_message(item: dict[str, Any]) -> dict[str, Any]:
     role, content = item.get("role"), item.get("content")
     if isinstance(content, list):  # input_text / output_text parts: their text, as rendered
-        content = "".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
-    return {"role": _RESPONSES_ROLES.get(role, role), "content": content}
+        content = "".join(part_texts(content))
+    if isinstance(role, str):
+        role = _RESPONSES_ROLES.get(role, role)
+    return {"role": role, "content": content}
+
+
+def part_texts(parts: list[Any]) -> list[str]:
+    """The string texts of content parts (anything else is the worker's 400)."""
+    return [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
 
 
 def prompt_bounds(body: dict[str, Any]) -> PromptBounds:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import orjson
 
+from pdserve.router.cache_aware import routing_text
 from pdserve.router.prompt_size import (
     SPECIAL_SLACK_TOKENS,
     TEMPLATE_SLACK_TOKENS,
@@ -78,3 +79,17 @@ def test_a_batch_of_token_id_prompts_is_counted_exactly_and_summed() -> None:
         assert prompt_bounds(odd).high == 0
     assert num_prompts({"prompt": [[1, 2], [3]]}) == 2
     assert num_prompts({"prompt": [1, 2]}) == num_prompts({"prompt": "a"}) == 1
+
+
+def test_hostile_shapes_are_counted_without_raising_the_worker_refuses_them() -> None:
+    odd_bodies = (
+        {"input": [{"role": ["user"], "content": [{"type": "input_text", "text": 5}]}]},
+        {"input": [{"role": {}, "content": None}, "text"], "instructions": 7},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
+        {"input": None}, {"prompt": [[1, 2], [True]]}, {"prompt": [None]},
+    )  # fmt: skip
+    for body in odd_bodies:
+        prompt_bounds(body)
+        tokenize_request(body)
+        routing_text(body)
+    assert routing_text(odd_bodies[2]) == "<user>"
