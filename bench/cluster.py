@@ -17,16 +17,20 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from bench.tls_certs import CertFiles
 
 QUEUE_GAUGES = (
     "pdserve_waiting_requests",
@@ -70,6 +74,22 @@ class ClusterSpec:
     log_dir: str | None = None  # a fresh temp dir when None
     log_level: str = "INFO"
     max_ready_s: float = 240.0
+    # Secured: every process serves HTTPS with these files (``bench/tls_certs.py``), the router
+    # calls the workers over it, and clients and the router present ``api_key``.
+    tls: CertFiles | None = None
+    api_key: str | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    def secure_args(self) -> tuple[str, ...]:
+        """The TLS and key flags of every process (the router's key is also its workers')."""
+        out: tuple[str, ...] = ()
+        if self.tls:
+            out += ("--ssl-certfile", str(self.tls.cert), "--ssl-keyfile", str(self.tls.key),
+                    "--ssl-ca-certs", str(self.tls.ca))  # fmt: skip
+        return out + (("--api-key", self.api_key) if self.api_key else ())
 
 
 PDSERVE = (sys.executable, "-m", "pdserve")
@@ -213,20 +233,20 @@ class Cluster:
         port = free_port()
         argv = ["serve", "--role", role, "--model", self.spec.model_dir, "--port", str(port),
                 "--served-model-name", self.spec.served_model_name, "--engine-id", name,
-                *self.spec.worker_args]  # fmt: skip
+                *self.spec.worker_args, *self.spec.secure_args()]  # fmt: skip
         if role == "prefill":
             argv += ["--bootstrap-port", str(free_port())]
-        return ManagedProc(name, role, argv, f"http://127.0.0.1:{port}",
+        return ManagedProc(name, role, argv, f"{self.spec.scheme}://127.0.0.1:{port}",
                            self.log_dir / f"{name}.log", self._env())  # fmt: skip
 
     def _router(self) -> ManagedProc:
         port = free_port()
-        argv = ["router", "--port", str(port), *self.spec.router_args]
+        argv = ["router", "--port", str(port), *self.spec.router_args, *self.spec.secure_args()]
         for p in self.prefills:
             argv += ["--prefill", p.url]
         for d in self.decodes:
             argv += ["--decode", d.url]
-        return ManagedProc("router", "router", argv, f"http://127.0.0.1:{port}",
+        return ManagedProc("router", "router", argv, f"{self.spec.scheme}://127.0.0.1:{port}",
                            self.log_dir / "router.log", self._env(),
                            ready_path=ROUTER_READY_PATH)  # fmt: skip
 
@@ -235,11 +255,15 @@ class Cluster:
 
     def _connector(self) -> aiohttp.TCPConnector:
         """The bench's HTTP connections (a subclass may open them from elsewhere)."""
-        return aiohttp.TCPConnector(force_close=True)
+        tls = self.spec.tls
+        ctx = ssl.create_default_context(cafile=str(tls.ca)) if tls else True
+        return aiohttp.TCPConnector(force_close=True, ssl=ctx)
 
     def _headers(self) -> dict[str, str]:
-        """Headers of every bench call (a subclass off loopback sends its admin key)."""
-        return {}
+        """Headers of every bench call: a secured cluster's client key (a subclass off loopback
+        sends its admin key instead)."""
+        key = self.spec.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def __aenter__(self) -> Cluster:
         await self.start()

@@ -35,8 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cluster import ManagedProc, ReferenceServer  # noqa: E402
 from pdserve.file_lock import exclusive_file_lock  # noqa: E402
+from pdserve.model.pinned import sha256_of  # noqa: E402
 
 VERSION = "0.3.36"  # of llama-cpp-python, whose sdist vendors llama.cpp
+# The sdist's SHA-256 per version: a download with another is refused before it is unpacked.
+SDIST_SHA256 = {"0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
 TARGETS = ("llama-server", "llama-quantize")
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_OPTIONS = (
@@ -124,8 +127,21 @@ def download_source(version: str, dest: Path) -> None:
             check=True, timeout=CONVERT_TIMEOUT_S, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        check_pinned(sdist, version)
         extract_source(sdist, version, Path(tmp) / "src")
         os.replace(Path(tmp) / "src", dest)
+
+
+def check_pinned(sdist: Path, version: str) -> None:
+    """Refuse (RuntimeError naming the file) an sdist whose SHA-256 is not the pinned one."""
+    pinned = SDIST_SHA256.get(version)
+    if pinned is None:
+        raise RuntimeError(f"llama-cpp-python {version} has no pinned SHA-256 (SDIST_SHA256)")
+    actual = sha256_of(sdist)
+    if actual != pinned:
+        raise RuntimeError(
+            f"{sdist.name}: refused, SHA-256 mismatch: got {actual}, pinned {pinned}"
+        )
 
 
 def extract_source(sdist: Path, version: str, dest: Path) -> None:

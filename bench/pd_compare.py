@@ -2,6 +2,7 @@
 
     python bench/pd_compare.py --config small --concurrency 1,8 --num-requests 16
     python bench/pd_compare.py ... --vllm-python /path/to/venv/bin/python  # adds vLLM
+    python bench/pd_compare.py --config small --concurrency 8 --deployments pd,pd_secure
     python bench/pd_compare.py --config smollm2 --deployments pd,colocated \\
         --llamacpp ~/.cache/pdserve/models/SmolLM2-135M-Instruct.Q4_1.gguf,Q8_0,BF16
 
@@ -18,7 +19,11 @@ listed GGUF under the same load: a path, or BF16 / Q8_0 / Q4_K_M ... for llama.c
 conversion of the checkpoint pdserve serves; pdserve's deployments serve each file too (``pd-Q4_1``,
 ``colocated-Q4_1``, ...; ``--no-same-file``: only its own checkpoint). Config ``smollm2`` is
 SmolLM2-135M-Instruct (bench/real_model.py): pdserve's own checkpoint is then the bf16 HF
-directory made from the shipped Q4_1 GGUF.
+directory made from the shipped Q4_1 GGUF. Deployment ``pd_secure`` is the PD cluster with its
+control plane locked (an API key on every process, TLS on every listener with a CA made for the
+run, the router calling its workers and the decode the prefill's bootstrap port over HTTPS), run
+right after ``pd`` under the same load; the report gives its throughput over ``pd``'s, same run
+(goal: at least 0.95).
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,33 +87,51 @@ def shared_lease_args() -> tuple[str, ...]:
     return ("--cpu-lease", str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "lease"))
 
 
+SECURE_GOAL = 0.95  # pd_secure's throughput over pd's, same run
+
+
 async def serve_load(
-    url: str, tokenizer: Path, args: argparse.Namespace, conc: int, is_closing: bool = False
+    url: str,
+    tokenizer: Path,
+    args: argparse.Namespace,
+    conc: int,
+    is_closing: bool = False,
+    secure: ClusterSpec | None = None,
 ) -> dict:
     cfg = BenchConfig(
         base_url=url, model="bench", endpoint="completions", input_len=args.input_len,
         output_len=args.output_len, num_requests=max(args.num_requests, conc), concurrency=conc,
         tokenizer=str(tokenizer), is_progress_shown=False, num_warmup=2,
         is_connection_closed=is_closing,
+        api_key=secure.api_key if secure else None,
+        ca_certs=str(secure.tls.ca) if secure and secure.tls else None,
     )  # fmt: skip
     return await run_benchmark(cfg)
 
 
 async def bench_pd(
-    model_dir: Path, args: argparse.Namespace, model: Path | None = None
+    model_dir: Path, args: argparse.Namespace, model: Path | None = None, is_secure: bool = False
 ) -> dict[int, dict]:
     """The PD cluster on ``model`` (default: ``model_dir``; a GGUF file of the same
-    checkpoint, say), loaded with ``model_dir``'s tokenizer."""
+    checkpoint, say), loaded with ``model_dir``'s tokenizer; ``is_secure``: with an API key and
+    TLS everywhere (deployment pd_secure)."""
     spec = ClusterSpec(model_dir=str(model or model_dir), served_model_name="bench",
                        worker_args=PERF_ARGS, router_args=())  # fmt: skip
+    if is_secure:
+        from bench.tls_certs import make_certs
+
+        certs = make_certs(Path(tempfile.mkdtemp(prefix="pdserve-bench-tls-")))
+        spec = replace(spec, tls=certs, api_key=secrets.token_urlsafe(24))
     cluster = Cluster(spec)
     lease_args = shared_lease_args() if args.cpu_lease else ()
     for proc in cluster.prefills:
         proc.extra_args = _role_args(args.prefill_threads) + lease_args
     for proc in cluster.decodes:
         proc.extra_args = _role_args(args.decode_threads) + lease_args
+    secure = spec if is_secure else None
     async with cluster:
-        return {c: await serve_load(cluster.router.url, model_dir, args, c) for c in args.conc}
+        url = cluster.router.url
+        return {c: await serve_load(url, model_dir, args, c, secure=secure) for c in args.conc}
 
 
 async def bench_colocated(
@@ -205,7 +230,8 @@ def deployment_order(results: dict[str, dict[int, dict]]) -> list[str]:
     """pdserve's deployments, then the references (vLLM, transformers), then each GGUF file's
     pdserve deployments beside llama.cpp's."""
     per_file = [d for d in results if "-" in d]
-    return [d for d in ("pd", "colocated", "vllm", "transformers") if d in results] + per_file
+    ours = ("pd", "pd_secure", "colocated", "vllm", "transformers")
+    return [d for d in ours if d in results] + per_file
 
 
 def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> list[dict]:
@@ -246,6 +272,8 @@ async def run_all(args: argparse.Namespace) -> list[dict]:
             results: dict[str, dict[int, dict]] = {}
             if "pd" in args.deps:
                 results["pd"] = await bench_pd(model_dir, args)
+            if "pd_secure" in args.deps:
+                results["pd_secure"] = await bench_pd(model_dir, args, is_secure=True)
             if "colocated" in args.deps:
                 results["colocated"] = await bench_colocated(model_dir, args)
             if args.vllm_python:
@@ -289,6 +317,20 @@ def ratio_lines(rows: list[dict], prefix: str) -> list[str]:
     return lines
 
 
+def secure_lines(rows: list[dict]) -> list[str]:
+    """pd_secure's throughput over pd's per config and concurrency (both in this run)."""
+    by_key = {(r["config"], r["deployment"], r["concurrency"]): r for r in rows}
+    lines = []
+    for config, dep, conc in sorted(k for k in by_key if k[1] == "pd_secure"):
+        plain = by_key.get((config, "pd", conc))
+        if plain and plain["tok_s"]:
+            ratio = by_key[(config, dep, conc)]["tok_s"] / plain["tok_s"]
+            verdict = "within" if ratio >= SECURE_GOAL else "NOT within"
+            lines.append(f"{config} c{conc}: pd_secure (API key + TLS) / pd throughput, same run: "
+                         f"{ratio:.3f} ({verdict} {1 - SECURE_GOAL:.0%} of off)")  # fmt: skip
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -300,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--json-out", default=None)
     p.add_argument("--model-dir", default=None, help="reuse this checkpoint (one --config)")
-    p.add_argument("--deployments", default="pd,colocated,transformers")
+    p.add_argument(
+        "--deployments", default="pd,colocated,transformers",
+        help="comma list of pd, pd_secure (API key + TLS everywhere), colocated, transformers",
+    )  # fmt: skip
     p.add_argument(
         "--prefill-threads", type=int, default=None,
         help="torch threads, PD prefill (default: all cores, as pdserve up)",
@@ -348,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         vs = [r["x_vllm"] for r in rows if r["deployment"] == dep and r["x_vllm"]]
         if vs:
             print(f"{dep} / vLLM throughput, same run: " + ", ".join(f"{v:.2f}" for v in vs))
-    for line in ratio_lines(rows, LLAMACPP_PREFIX):
+    for line in ratio_lines(rows, LLAMACPP_PREFIX) + secure_lines(rows):
         print(line)
     return 1 if errors else 0
 

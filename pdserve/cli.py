@@ -19,6 +19,7 @@ from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.reasoning.parser import PARSERS
+from pdserve.tls import add_tls_args
 
 if TYPE_CHECKING:
     from pdserve.server import Server
@@ -46,6 +47,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(401), a decode sends it; give both the same ($PDSERVE_BOOTSTRAP_TOKEN)",
     )  # fmt: skip
     _add_registration_args(p)
+    add_tls_args(p)
     p.add_argument(
         "--api-key", action="append", default=None, metavar="KEY",
         help="a client key (a router's --worker-api-key): /v1/*, /tokenize, /detokenize, aborts "

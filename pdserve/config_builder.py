@@ -15,6 +15,7 @@ from pdserve.identity import advertise_host, default_engine_id
 from pdserve.model_runner import RunnerConfig
 from pdserve.registration import RegistrationConfig
 from pdserve.server import ServerConfig
+from pdserve.tls import TLSConfig, tls_config_from_args
 from pdserve.transport import FaultPlan, TransportConfig
 
 DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30001}
@@ -73,8 +74,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_per_token_s=args.timeout_per_token,
         ),
     )
+    tls = tls_config_from_args(args)
     transport = TransportConfig(
         engine_id=engine_id,
+        tls=tls,
         bootstrap_host=args.host,
         bootstrap_port=args.bootstrap_port,
         heartbeat_interval_s=args.heartbeat_interval,
@@ -109,13 +112,14 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=port,
         cpu_lease_path=args.cpu_lease,
         advertise_host=advertised,
-        registration=registration_config_from_args(args, env.registration_token),
+        registration=registration_config_from_args(args, env.registration_token, tls),
         drain_timeout_s=args.drain_timeout,
+        tls=tls,
     )
 
 
 def registration_config_from_args(
-    args: argparse.Namespace, env_token: str | None = None
+    args: argparse.Namespace, env_token: str | None = None, tls: TLSConfig | None = None
 ) -> RegistrationConfig | None:
     """``--router`` and its lease flags (``env_token``: $PDSERVE_REGISTRATION_TOKEN, used
     without ``--registration-token``); None without ``--router``."""
@@ -126,6 +130,7 @@ def registration_config_from_args(
         interval_s=args.register_interval,
         ttl_s=args.register_ttl,
         token=args.registration_token or env_token,
+        tls=tls or TLSConfig(),
     )
 
 

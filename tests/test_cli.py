@@ -10,10 +10,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from bench.tls_certs import make_certs
 from pdserve import cli, generate, launcher
 from pdserve.cli import DEFAULT_GIL_SWITCH_INTERVAL_MS, add_serve_args, apply_gil_switch_interval
 from pdserve.config_builder import runner_config_from_args, server_config_from_args
 from pdserve.router import cli as router_cli
+from pdserve.tls import TLSConfig
 from tests.model.checkpoints import convert_checkpoint, write_checkpoint
 
 
@@ -51,6 +53,22 @@ def test_transport_timings_are_flags_that_reach_the_transport_config(tmp_path) -
     transport = server_config_from_args(args).transport
     assert (transport.abort_quarantine_s, transport.connect_timeout_s) == (0.5, 0.25)
     assert transport.request_timeout_s == 1.5
+
+
+def test_the_tls_flags_reach_the_api_the_bootstrap_port_registration_and_the_router(
+    tmp_path,
+) -> None:
+    certs = make_certs(tmp_path / "certs")
+    tls = ("--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key),
+           "--ssl-ca-certs", str(certs.ca))  # fmt: skip
+    cfg = server_config_from_args(parse("--model", str(tmp_path), "--router", "https://r:1", *tls))
+    expected = TLSConfig(str(certs.cert), str(certs.key), str(certs.ca))
+    assert cfg.tls == cfg.transport.tls == cfg.registration.tls == expected
+    router = router_cli.config_from_args(router_cli.build_parser().parse_args(list(tls)))
+    assert router.tls == expected and router.tls.scheme == "https"
+    with pytest.raises(ValueError, match="--ssl-certfile: no such file"):
+        server_config_from_args(parse("--model", str(tmp_path), "--ssl-certfile", "/nope.pem"))
+    assert router_cli.main(["--ssl-certfile", str(certs.ca)]) == 2  # a cert without its key
 
 
 def test_a_non_positive_bootstrap_timeout_is_a_usage_error(tmp_path) -> None:

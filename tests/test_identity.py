@@ -77,3 +77,4 @@ def test_an_ipv6_advertised_host_makes_a_valid_url():
     assert http_url("fd00::1", 30001) == "http://[fd00::1]:30001"
     assert http_url("[fd00::1]", 30001) == "http://[fd00::1]:30001"
     assert http_url("10.0.0.1", 30001) == "http://10.0.0.1:30001"
+    assert http_url("fd00::1", 30001, "https") == "https://[fd00::1]:30001"  # a TLS worker

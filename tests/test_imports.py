@@ -132,7 +132,7 @@ LOWER = {
     "kv_sizing", "lifetime", "model",
     "model_runner", "reasoning", "registration_msg", "runner_config", "sampler", "sampling_params",
     "sequence",
-    "thread_tuning", "transport", "types",
+    "thread_tuning", "tls", "transport", "types",
 }  # fmt: skip
 SERVING = {
     "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher", "llm",

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from bench.tls_certs import make_certs
 from pdserve.cli import add_serve_args
 from pdserve.launcher import Child, child_specs, cluster_config_from_args, parse_args, stop_cluster
 
@@ -179,3 +180,21 @@ def test_counts_whose_ports_collide_are_refused(tmp_path, capsys) -> None:
     argv = ["--model", str(tmp_path), "--num-prefill", "2", "--router-port", "30011"]
     assert launcher.main(argv) == 2
     assert "share a port" in capsys.readouterr().err
+
+
+def test_the_tls_flags_reach_every_child_and_their_urls_are_https(tmp_path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    tls = ["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key),
+           "--ssl-ca-certs", str(certs.ca)]  # fmt: skip
+    cfg = cluster_config_from_args(parse_args(["--model", str(tmp_path), *tls]))
+    specs = {name: (argv, url) for name, argv, url in child_specs(cfg)}
+    for argv, url in specs.values():
+        assert url.startswith("https://127.0.0.1:")
+        assert [argv[argv.index(f) + 1] for f in tls[::2]] == tls[1::2]
+    router_argv = specs["router"][0]
+    assert router_argv[router_argv.index("--prefill") + 1] == specs["prefill"][1]
+    worker = _serve_parse(specs["decode"][0][1:])
+    assert (worker.ssl_certfile, worker.ssl_ca_certs) == (str(certs.cert), str(certs.ca))
+    plain = child_specs(cluster_config_from_args(parse_args(["--model", str(tmp_path)])))
+    assert all(url.startswith("http://") and "--ssl-certfile" not in argv
+               for _, argv, url in plain)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import time
 
 from aiohttp import web
@@ -89,9 +90,14 @@ def build_app(
 
 
 async def start_http(
-    app: web.Application, host: str, port: int, access_log: bool = False
+    app: web.Application,
+    host: str,
+    port: int,
+    access_log: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port`` (0 = ephemeral); returns the runner and the bound port.
+    """Serve ``app`` on ``host:port`` (0 = ephemeral), HTTPS with ``ssl_context``; returns the
+    runner and the bound port.
 
     ``handler_cancellation=True``: a client that disconnects cancels its handler, whose cleanup
     aborts the request in the engine. Stop with ``await runner.cleanup()``.
@@ -101,7 +107,7 @@ async def start_http(
     runner = web.AppRunner(app, handler_cancellation=True, **log_kwargs)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
     except BaseException:
         await runner.cleanup()

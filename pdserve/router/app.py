@@ -105,8 +105,8 @@ class Router:
 
     @property
     def url(self) -> str:
-        """Base URL clients use, e.g. ``http://127.0.0.1:30000``."""
-        return f"http://{self.config.host}:{self.port}"
+        """Base URL clients use, e.g. ``http://127.0.0.1:30000`` (``https://`` with TLS)."""
+        return f"{self.config.tls.scheme}://{self.config.host}:{self.port}"
 
     @property
     def health(self) -> HealthChecker:
@@ -129,7 +129,7 @@ class Router:
             timeout=aiohttp.ClientTimeout(
                 total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
             ),
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, ssl=cfg.tls.client_context()),
         )
         self._health = HealthChecker(cfg, self.workers, self._session)
         upstream = UpstreamClient(cfg, self._session)
@@ -144,7 +144,7 @@ class Router:
         )
         await self._runner.setup()
         self._access.log_warnings()
-        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=cfg.tls.server_context())
         await site.start()
         self._port = self._runner.addresses[0][1]
         self._health_task = asyncio.create_task(self._health.run(self._stop))

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.router.prompt_size import conversation, part_texts
 from pdserve.router.workers import Worker
 
 
@@ -112,9 +113,10 @@ class CacheAwarePolicy:
 
 def routing_text(body: dict[str, Any]) -> str | None:
     """The text a request's prompt starts with, as the router sees it (no tokenizer): chat
-    messages' roles and contents in order, or a completion's prompt (the first of a batch)."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
+    messages' roles and contents in order (a ``/v1/responses`` body's as the chat it stands
+    for, so both share a key), or a completion's prompt (the first of a batch)."""
+    messages = conversation(body)
+    if messages is not None:
         parts = []
         for m in messages:
             if isinstance(m, dict):
@@ -133,5 +135,5 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: their text, in order
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(part_texts(content))
     return ""

@@ -14,6 +14,7 @@ from pdserve.envs import Env, read_env
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.router.app import Router
 from pdserve.router.config import POLICY_NAMES, READINESS_MODES, RouterConfig
+from pdserve.tls import add_tls_args, tls_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_access_flags(p)
     p.add_argument("--log-level", default=None, help="default $PDSERVE_LOG_LEVEL, else INFO")
+    add_tls_args(p)
     add_parent_pid_arg(p)
     return p
 
@@ -170,6 +172,7 @@ def config_from_args(args: argparse.Namespace, env: Env | None = None) -> Router
         worker_allow=tuple(args.worker_allow),
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes or args.max_body_kb << 10,
+        tls=tls_config_from_args(args),
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.auth import Credentials, as_keys
 
@@ -10,6 +10,7 @@ from pdserve.auth import Credentials, as_keys
 from pdserve.registration_msg import WORKER_ROLES as WORKER_ROLES
 from pdserve.registration_msg import normalize_worker_url as normalize_worker_url
 from pdserve.router.worker_allow import WorkerAllowList
+from pdserve.tls import TLSConfig
 
 POLICY_NAMES = ("auto", "round_robin", "random", "power_of_two", "least_loaded", "cache_aware")
 # What the router's GET /health/ready requires: "serving", any path that serves (the decode
@@ -74,6 +75,8 @@ class RouterConfig:
     max_prefill_backlog_tokens: int = 65536
     retry_after_s: int = 1  # the Retry-After of a 429 (admission check) or 503 (draining)
     drain_timeout_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
+    # --ssl-*: the router serves HTTPS; its calls to https workers verify against ca_certs.
+    tls: TLSConfig = field(default_factory=TLSConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_allow", tuple(self.worker_allow))

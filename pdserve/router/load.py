@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.router.prompt_size import num_prompts
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
@@ -82,9 +84,12 @@ def load_score(num_in_flight: int, load: WorkerLoad | None) -> tuple[int, int]:
 
 
 def output_budget(body: dict[str, Any]) -> int:
-    """The output tokens a request may generate (0 when it does not say)."""
+    """The output tokens a request may generate (0 when it does not say): its limit under
+    any of the three names (chat, completions, responses), once per prompt of a batch."""
     budget = body.get("max_completion_tokens", body.get("max_tokens"))
-    return budget if type(budget) is int and budget > 0 else 0
+    if budget is None:
+        budget = body.get("max_output_tokens")
+    return budget * num_prompts(body) if type(budget) is int and budget > 0 else 0
 
 
 def refusal(

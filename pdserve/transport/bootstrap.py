@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -25,6 +26,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from pdserve.tls import TLSConfig
 from pdserve.transport.messages import (
     AbortMsg,
     AbortReplyMsg,
@@ -88,8 +90,10 @@ class BootstrapServer:
         port: int,
         max_room_pages: int,
         token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.handler = handler
+        self._ssl_context = ssl_context  # None: plain HTTP
         self._token = token.encode() if token is not None else None
         self.host = host
         self.port = port
@@ -111,7 +115,7 @@ class BootstrapServer:
         )
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl_context)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the real port when 0 was asked
         logger.info("bootstrap server listening on %s:%d", self.host, self.port)
@@ -233,11 +237,17 @@ class PeerRejectedError(BootstrapError):
 
 class BootstrapClient:
     """The decode side's HTTP client of prefill bootstrap servers (one session, many hosts);
-    sends ``token`` (the shared bootstrap secret) on every request when given."""
+    sends ``token`` (the shared bootstrap secret) on every request when given; speaks HTTPS,
+    verifying the prefill against ``tls.ca_certs``, when ``tls`` is enabled."""
 
     def __init__(
-        self, connect_timeout_s: float, request_timeout_s: float, token: str | None = None
+        self,
+        connect_timeout_s: float,
+        request_timeout_s: float,
+        token: str | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
+        self._tls = tls or TLSConfig()
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self._headers = {TOKEN_HEADER: token} if token is not None else {}
@@ -246,7 +256,8 @@ class BootstrapClient:
     async def start(self) -> None:
         """Open the HTTP session (must run on the loop that will use it)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            connector = aiohttp.TCPConnector(ssl=self._tls.client_context())
+            self._session = aiohttp.ClientSession(connector=connector)
 
     async def close(self) -> None:
         """Close the session (idempotent)."""
@@ -287,7 +298,7 @@ class BootstrapClient:
         timeout = aiohttp.ClientTimeout(
             total=total, sock_connect=min(total, self.connect_timeout_s)
         )
-        url = f"http://{host}:{port}{path}"
+        url = f"{self._tls.scheme}://{host}:{port}{path}"
         try:
             async with self._session.post(
                 url, data=encode(msg), timeout=timeout, headers=self._headers

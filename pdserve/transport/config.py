@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.fsm import RoomDeadlines
+from pdserve.tls import TLSConfig
 from pdserve.transport.faults import FaultPlan
 
 
@@ -47,6 +48,9 @@ class TransportConfig:
     # Shared secret of the bootstrap port (``--bootstrap-token``): the prefill refuses every
     # bootstrap request without it (401), the decode sends it. None: no authentication.
     bootstrap_token: str | None = None
+    # TLS (--ssl-*): a prefill's bootstrap server serves HTTPS, a decode calls bootstrap ports
+    # over HTTPS (verified against ca_certs), both when certfile is set (pdserve/tls.py).
+    tls: TLSConfig = field(default_factory=TLSConfig)
 
     def __post_init__(self) -> None:
         if not self.engine_id or "@" in self.engine_id:

@@ -76,8 +76,9 @@ class KVReceiver:
         self._on_release = on_release
         self._faults = maybe_injector(config.faults)
         self.client = BootstrapClient(
-            config.connect_timeout_s, config.request_timeout_s, config.bootstrap_token
-        )
+            config.connect_timeout_s, config.request_timeout_s, config.bootstrap_token,
+            tls=config.tls,
+        )  # fmt: skip
         self.counters = ReceiverStats()
         self.layout = layout_of(
             pool, config.model_name, config.model_fingerprint, config.weights_fingerprint

@@ -82,7 +82,7 @@ class KVSender:
         self._on_release = on_release
         self._server = BootstrapServer(
             self, config.bootstrap_host, config.bootstrap_port, config.max_room_pages,
-            config.bootstrap_token,
+            config.bootstrap_token, config.tls.server_context(),
         )  # fmt: skip
         self.registrar = PeerRegistrar(self.state, self.release_src, self.prune_aborts)
         self._writer = RoomWriter(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ class Proc:
     env: dict[str, str] = field(default_factory=dict)
     # A router's /health/ready counts the decode fallback; tests wait for the PD path.
     ready_path: str = "/health/ready"
+    cafile: str | None = None  # an https url: its readiness probe trusts this CA
 
     def start(self) -> Proc:
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed when the process is reaped
@@ -57,12 +59,14 @@ class Proc:
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> Proc:
         deadline = time.monotonic() + timeout_s
         delay = 0.05
+        ctx = ssl.create_default_context(cafile=self.cafile) if self.cafile else None
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}{self.ready_path}", timeout=2) as r:
+                url = f"{self.url}{self.ready_path}"
+                with urllib.request.urlopen(url, timeout=2, context=ctx) as r:
                     if r.status == 200:
                         return self
             except OSError:

@@ -9,16 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.model.fetch import FetchError, fetch_model
 from tests.e2e.conftest import WORKER_ARGS, Proc, free_port
+from tests.real_models import SMOLLM2, real_model
 
 
 @pytest.fixture(scope="module")
 def smollm_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    try:
-        model = fetch_model()
-    except FetchError as e:
-        pytest.skip(f"the SmolLM2 GGUF cannot be had here: {e}")
+    model = real_model(SMOLLM2)
     tmp, port = tmp_path_factory.mktemp("smollm"), free_port()
     argv = ["serve", "--role", "colocated", "--model", str(model), "--port", str(port),
             "--engine-id", "smollm", *WORKER_ARGS]  # fmt: skip

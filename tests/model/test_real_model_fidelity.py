@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.fidelity import NUM_FACTUAL, greedy, load_hf, pdserve_greedy, prompt_ids, score
-from pdserve.model.fetch import FetchError, fetch_model
+from tests.real_models import SMOLLM2, real_model
 
 NUM_TOKENS = 16
 NUM_COMPLETIONS = 2
@@ -19,10 +19,7 @@ NUM_COMPLETIONS = 2
 
 @pytest.fixture(scope="module")
 def smollm() -> Path:
-    try:
-        return fetch_model()
-    except FetchError as e:
-        pytest.skip(f"the SmolLM2 GGUF cannot be had here: {e}")
+    return real_model(SMOLLM2)
 
 
 def test_default_numerics_agree_with_float32_at_least_as_well_as_transformers_bf16(

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.model.fetch import FetchError, fetch_model
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from tests.engine.test_invariance import PAGE, alone, run
+from tests.real_models import SMOLLM2, real_model
 
 
 @pytest.fixture(scope="module")
 def smollm_runner() -> ModelRunner:
-    try:
-        path = fetch_model()
-    except FetchError as e:
-        pytest.skip(f"the SmolLM2 GGUF cannot be had here: {e}")
+    path = real_model(SMOLLM2)
     return ModelRunner(RunnerConfig(str(path), page_size=PAGE, num_pages=256))
 
 

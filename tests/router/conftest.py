@@ -94,6 +94,7 @@ class FakeWorker:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/responses", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health/ready", self._ready)

@@ -105,3 +105,32 @@ async def test_a_worker_that_cannot_count_never_gets_a_text_prompt_refused(
     text = {"model": "fake-model", "prompt": "word " * 2000, "max_tokens": 4}
     assert (await post(router, text, path="/v1/completions"))[0] == 200  # counted as 0
     assert len(prefill.tokenized) == 1
+
+
+async def test_token_id_batches_and_responses_bodies_count_against_the_backlog(
+    make_worker, make_router
+):
+    prefill, decode = await make_worker("prefill"), await make_worker("decode")
+    prefill.load = {**FREE, "waiting_prompt_tokens": 2500}
+    decode.load = FREE
+    router = await make_router(
+        prefill_urls=(prefill.url,), decode_urls=(decode.url,), max_prefill_backlog_tokens=3000
+    )
+    batch = {**IDS, "prompt": [list(range(300)), list(range(300))]}  # 600 tokens, exactly
+    status, retry_after, body = await _post_429(router, batch)
+    assert status == 429 and retry_after is not None
+    assert "2500 prompt tokens queued" in body["error"]["message"]
+    small = {**IDS, "prompt": [list(range(200)), list(range(200))]}  # 400 fit beside 2500
+    assert (await post(router, small, path="/v1/completions"))[0] == 200
+    response = {"model": "fake-model", "instructions": "be brief", "input": "word " * 600,
+                "max_output_tokens": 4}  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(router.url + "/v1/responses", json=response) as r,
+    ):
+        assert r.status == 429, await r.read()
+    assert prefill.tokenized[-1]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "word " * 600},
+    ]  # counted by the worker as the chat it stands for: 602 words
+    assert len(prefill.requests) == 1  # only the batch that fits reached the prefill

@@ -114,5 +114,15 @@ def test_routing_text_of_chat_and_completion_bodies():
     assert routing_text({"prompt": ""}) is None and routing_text({}) is None
 
 
+def test_a_responses_body_routes_by_the_same_key_as_its_chat():
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]}
+    parts = [{"type": "input_text", "text": "h"}, {"type": "input_text", "text": "i"}]
+    for body in ({"instructions": "S", "input": "hi"},
+                 {"input": [{"role": "developer", "content": "S"},
+                            {"role": "user", "content": parts}]}):  # fmt: skip
+        assert routing_text(body) == routing_text(chat) == "<system>S<user>hi"
+    assert routing_text({"input": []}) is None
+
+
 def test_make_policy_knows_cache_aware():
     assert make_policy("cache_aware", random.Random(0)).name == "cache_aware"

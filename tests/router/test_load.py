@@ -48,6 +48,14 @@ def test_the_output_budget_is_max_completion_tokens_else_max_tokens() -> None:
     assert output_budget({"max_tokens": "9"}) == 0
 
 
+def test_the_output_budget_reads_max_output_tokens_and_counts_each_prompt_of_a_batch() -> None:
+    assert output_budget({"input": "hi", "max_output_tokens": 30}) == 30
+    assert output_budget({"input": "hi", "max_output_tokens": True}) == 0
+    assert output_budget({"prompt": [[1, 2], [3]], "max_tokens": 10}) == 20
+    assert output_budget({"prompt": ["a", "b", "c"], "max_tokens": 4}) == 12
+    assert output_budget({"prompt": [1, 2, 3], "max_tokens": 4}) == 4
+
+
 def test_a_worker_refuses_when_draining_queued_over_the_limit_or_short_of_pages() -> None:
     assert refusal(_load(), 160, max_queue=8) is None
     assert refusal(_load(draining=True), 1, max_queue=8) == "draining"

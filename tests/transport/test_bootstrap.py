@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -11,7 +12,9 @@ import orjson
 import pytest
 import pytest_asyncio
 
+from bench.tls_certs import make_certs
 from pdserve.fsm import Room, RoomState
+from pdserve.tls import TLSConfig
 from pdserve.transport.bootstrap import (
     TOKEN_HEADER,
     BootstrapClient,
@@ -210,3 +213,22 @@ async def test_a_decode_with_the_token_pairs_and_one_without_fails_its_room(
     assert refused.state == RoomState.FAILED.value
     assert "unauthorized" in (refused.reason or ""), refused.reason
     assert [p["engine_id"] for p in sender.debug_peers()] == ["decode-good"]
+
+
+async def test_a_tls_bootstrap_port_pairs_a_decode_speaking_https_and_fails_a_plain_one(
+    endpoints: Endpoints, tmp_path: Path
+) -> None:
+    certs = make_certs(tmp_path)
+    served = TLSConfig(str(certs.cert), str(certs.key), str(certs.ca))
+    sender, _ = await endpoints.sender(tls=served)
+    good, _ = await endpoints.receiver("decode-tls", tls=served)
+    plain, _ = await endpoints.receiver("decode-plain")
+    sender.open_room("ok", "req")
+    room = await good.open_room("ok", "req", LOCAL, sender.bootstrap_port, [4, 5], 20)
+    await until(lambda: room.state == RoomState.WAITING_FOR_INPUT.value, what="pages posted")
+    assert sender.send("ok", [0, 1], 20, first_token=8)
+    assert (await outcome(room)).state == RoomState.SUCCESS
+    refused = await plain.open_room("no", "req", LOCAL, sender.bootstrap_port, [6], 10)
+    await until(lambda: refused.is_terminal, what="the plain-HTTP room ends")
+    assert refused.state == RoomState.FAILED.value
+    assert [p["engine_id"] for p in sender.debug_peers()] == ["decode-tls"]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType
 
-from pdserve.model.fetch import FetchError, fetch_model
 from tests.model.gguf.writer import write_gguf
+from tests.real_models import SMOLLM2, real_model
 
 
 def demo_gguf(demo_dir: Path, out_dir: Path, qtype: str, **kwargs: object) -> Path:
@@ -28,7 +28,4 @@ def demo_f32_gguf(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="session")
 def smollm_gguf() -> Path:
     """The real default model (fetched into ~/.cache/pdserve/models if it is not there yet)."""
-    try:
-        return fetch_model()
-    except FetchError as e:
-        pytest.skip(f"the SmolLM2 GGUF cannot be had here: {e}")
+    return real_model(SMOLLM2)
