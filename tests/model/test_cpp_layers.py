@@ -4,12 +4,14 @@ prompt rows, decode steps and mixed steps, over dense and GGUF-quantized weights
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 import pdserve.model.llama as llama
+from pdserve.model import cpp_layers
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
@@ -92,3 +94,37 @@ def test_qwen3_s_head_norms_keep_the_python_loop(tmp_path: Path) -> None:
     runner = _runner(write_checkpoint(tmp_path / "qwen3", "qwen3"))
     runner.prefill_logits(_seqs(runner, [3], 0))
     assert runner.model._cpp_layers is not None and runner.model._cpp_layers[1] is None
+
+
+def _refuse_to_load() -> None:
+    raise AssertionError("the C++ CPU kernels were loaded for a CUDA model")
+
+
+def test_a_cuda_model_takes_the_python_loop_without_loading_the_cpu_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CUDA run the choice of loop is made from the model's device before anything loads
+    the C++ CPU module (its build takes minutes). CUDA cannot run here: the model is built on
+    the CPU and then declared a CUDA model, which is all the choice reads."""
+    model = write_checkpoint(tmp_path / "llama", "llama")
+    cpu = _runner(model)
+    want = cpu.prefill_logits(_seqs(cpu, PROMPT_LENS, 0))
+    runner = _runner(model)
+    runner.model.device = torch.device("cuda")
+    monkeypatch.setattr(cpp_layers, "cpu_ext", types.SimpleNamespace(load=_refuse_to_load))
+    got = runner.prefill_logits(_seqs(runner, PROMPT_LENS, 0))
+    assert runner.model._cpp_layers is not None and runner.model._cpp_layers[1] is None
+    assert torch.equal(got, want)  # the Python loop: the C++ loop's bits
+
+
+def test_only_a_cpu_device_uses_the_cpp_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = _runner(write_checkpoint(tmp_path / "llama", "llama"))
+    m = runner.model
+    monkeypatch.setattr(cpp_layers, "cpu_ext", types.SimpleNamespace(load=_refuse_to_load))
+    for device in ("cuda", "cuda:0", "meta"):
+        assert not cpp_layers.uses_cpp_stack(torch.device(device), m.layers, m.act_dtype,
+                                             runner.attn_backend)  # fmt: skip
+    assert cpp_layers.uses_cpp_stack(torch.device("cpu"), m.layers, m.act_dtype,
+                                     runner.attn_backend)  # fmt: skip
