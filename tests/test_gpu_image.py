@@ -63,10 +63,13 @@ def carried_wheel_files() -> list[Path]:
                             f"{proc.stderr[-500:]}")  # fmt: skip
             raise AssertionError(f"pip download of the carried wheels failed: {proc.stderr}")
         marker.write_text("\n".join(pins) + "\n")
-    wanted = {canonicalize_name(p.split("==")[0]).replace("-", "_") for p in pins}
-    files = [f for f in sorted(where.glob("*.whl"))
-             if canonicalize_name(f.name.split("-")[0]).replace("-", "_") in wanted]  # fmt: skip
-    assert len(files) == len(pins), files
+
+    def key(name: str, version: str) -> tuple[str, str]:
+        return canonicalize_name(name), version
+
+    wanted = {key(*p.split("==")) for p in pins}
+    files = [f for f in sorted(where.glob("*.whl")) if key(*f.name.split("-")[:2]) in wanted]
+    assert len(files) == len(pins), files  # one wheel per pin (older pins' wheels ignored)
     return files
 
 
