@@ -30,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from anywhere
 from bench import clients_proxy  # noqa: E402
+from pdserve.envs import env_with_pythonpath  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pdserve" / "bench"
 VENV = CACHE / "clients-venv"
@@ -91,7 +92,7 @@ def target(kind: str, model_dir: str, name: str, work: Path, dtype: str) -> Iter
                 "--decode-port", str(free_port()), "--bootstrap-port", str(free_port()),
                 *common]  # fmt: skip
     log = work / f"server-{kind}.log"
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env = env_with_pythonpath(str(HERE.parent))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *argv],

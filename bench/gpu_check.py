@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py --device cuda --out $OUT      # one H200: within 8 minutes
     python bench/gpu_check.py --dry-plan                    # each step's budget; runs nothing
+    python bench/gpu_check.py --preflight                   # + the import and environment checks
     python bench/gpu_check.py --device cpu --quick           # the rehearsal CI runs
 
 Steps, in this order (each a function; a failing step is recorded with its traceback, and the
@@ -258,11 +259,18 @@ def main(argv: list[str] | None = None) -> int:
                    + ",".join(STEP_ORDER))  # fmt: skip
     p.add_argument("--dry-plan", action="store_true",
                    help="print the step budgets, check they fit; run nothing")  # fmt: skip
+    p.add_argument("--preflight", action="store_true",
+                   help="the dry plan, then the import and environment checks (no device "
+                   "needed; bench/gpu_preflight.py)")  # fmt: skip
     args = p.parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    if args.dry_plan:
+    if args.dry_plan or args.preflight:
         print(plan_text(sizes))
         problems = plan_problems(sizes)
+        if args.preflight:
+            from bench.gpu_preflight import preflight  # noqa: PLC0415
+
+            problems += preflight([*DEVICE_TEST_PATHS, *READINESS_TESTS])
         for problem in problems:
             print(f"[gpu_check] plan: {problem}")
         return 1 if problems else 0

@@ -34,6 +34,14 @@ def prepend_to_path(directory: str) -> None:
     os.environ["PATH"] = f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def env_with_pythonpath(first: str) -> dict[str, str]:
+    """This process's environment for a child Python: ``first`` (a checkout) leads
+    ``PYTHONPATH`` and the parent's entries follow, so a child still finds what only they
+    reach (docs/gpu.md installs the device's carried wheels into such a folder)."""
+    parts = [first, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(parts)}
+
+
 def offline() -> bool:
     """``PDSERVE_OFFLINE=1``: tests that need a real model skip where it cannot be fetched
     (offline development); without it they fail, as CI (which can always fetch) must."""

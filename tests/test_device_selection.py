@@ -21,18 +21,35 @@ from bench.gpu_check import DEVICE_TEST_PATHS
 
 REPO = Path(__file__).resolve().parents[1]
 # Collection as on a GPU machine: CUDA reported present, the C++ kernels' loader a tripwire.
+# pytest captures stdout and stderr while it collects (a print there reaches no one), so each
+# load is recorded, with the stack that asked, in the file named by the first argument.
 COLLECT = """
-import sys, torch
+import sys, traceback, torch
 torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: 1
 from pdserve.kernels import cpu_ext
+record = sys.argv[1]
 def tripwire(*args, **kwargs):
-    print("CPU-KERNELS-LOADED", file=sys.stderr)
+    with open(record, "a") as f:
+        f.write("".join(traceback.format_stack(limit=6)) + "---\\n")
 cpu_ext.load = tripwire
 import pytest
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--device-only", "cuda",
-                      *sys.argv[1:]]))
+                      *sys.argv[2:]]))
 """
+
+
+def collect_as_on_a_gpu(
+    paths: list[str], record: Path, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``pytest --collect-only --device-only cuda paths``, and what loaded the C++ kernels."""
+    proc = subprocess.run(
+        [sys.executable, "-c", COLLECT, str(record), *extra, *paths],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return proc, record.read_text() if record.exists() else ""
+
+
 # test -> the fewest cuda items it must have (its cuda parametrisations today).
 REQUIRED = {
     "tests/model/test_graph_runner.py::test_cuda_graph_replays_equal_eager_steps": 2,
@@ -62,15 +79,29 @@ REQUIRED = {
 
 
 @pytest.mark.slow
-def test_device_only_cuda_selects_the_model_graph_attention_and_sampling_tests() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", COLLECT, *DEVICE_TEST_PATHS],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def test_device_only_cuda_selects_the_model_graph_attention_and_sampling_tests(
+    tmp_path: Path,
+) -> None:
+    proc, loads = collect_as_on_a_gpu(list(DEVICE_TEST_PATHS), tmp_path / "loads.txt")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     selected = [ln for ln in proc.stdout.splitlines() if "::" in ln]
     assert "deselected" in proc.stdout.splitlines()[-1], "the CPU items were not deselected"
     counts = collections.Counter(ln.rsplit("[", 1)[0] for ln in selected)
     short = {name: (counts[name], want) for name, want in REQUIRED.items() if counts[name] < want}
     assert short == {}, "selected (got, want) times"
-    assert "CPU-KERNELS-LOADED" not in proc.stderr, "collection built the C++ CPU kernels"
+    assert loads == "", "collection built the C++ CPU kernels:\n" + loads
+
+
+def test_the_tripwire_records_a_kernel_load_made_while_pytest_collects(tmp_path: Path) -> None:
+    """The guard above can fail: a test module that loads the kernels at import is caught,
+    though pytest captures the output of collection."""
+    probe = tmp_path / "test_loads_at_import.py"
+    probe.write_text(
+        "from pdserve.kernels import cpu_ext\n"
+        "MODULE = cpu_ext.load()\n"
+        "def test_cuda_only(device):\n    assert device\n"
+    )
+    record = tmp_path / "loads.txt"
+    proc, loads = collect_as_on_a_gpu([str(probe)], record, "-p", "tests.conftest")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "test_loads_at_import.py" in loads, loads

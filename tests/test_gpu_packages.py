@@ -32,6 +32,7 @@ NOT_NEEDED = {("nixl", "nixl-cu12")}
 OPTIONAL_IMPORTS: set[str] = set()
 # What bench/gpu_check.py runs on the device: the package, its bench modules, the tests it names.
 DEVICE_CODE = ("pdserve", "bench/gpu_check.py", "bench/gpu_plan.py", "bench/gpu_speed.py",
+               "bench/gpu_preflight.py",
                "bench/gpu_pd.py", "bench/cluster.py", "bench/serving.py", "bench/workloads.py",
                "tests/conftest.py", "tests/kernels", "tests/attention", "tests/model",
                "tests/test_model_runner.py", "tests/transport")  # fmt: skip

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.envs import env_with_pythonpath
 from pdserve.lifetime import is_parent, wait_for_stop
 
 EXIT_BOUND_S = 20.0
@@ -57,7 +58,7 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl are Linux's")
 @pytest.mark.parametrize("how", ["pdeathsig", "parent-watch"])
 def test_a_grandchild_exits_when_its_supervisor_is_sigkilled(how: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = env_with_pythonpath(str(Path(__file__).resolve().parents[1]))
     middle = subprocess.Popen(
         [sys.executable, "-c", _MIDDLE, how], stdout=subprocess.PIPE, env=env,
         start_new_session=True,

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from pdserve.engine.protocol import TokenLogprob
+from pdserve.kernels import triton as triton_kernels
+from pdserve.kernels.paged_attention import load_kernel
+from pdserve.model.checkpoint import load_model_config
 from pdserve.model.config import ModelDirError
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sampling_params import SamplingParams
@@ -115,19 +118,31 @@ def test_prefill_after_cached_prefix_equals_full_prefill(runner: ModelRunner) ->
     torch.testing.assert_close(got[1:], expected, atol=2e-4, rtol=1e-4)
 
 
+def _backend_runner(checkpoint: Path, backend: str) -> ModelRunner:
+    """A float32 CPU runner on ``backend``; skipped only where that backend cannot run here
+    (the C++ kernel did not build; Triton's interpreter is off), asked as the factory asks it:
+    any error while building the runner fails the test."""
+    head_dim = load_model_config(checkpoint).head_dim
+    runs_here = {
+        "torch": True,
+        "cpp": load_kernel(torch.float32, head_dim) is not None,
+        "triton": triton_kernels.is_available(torch.device("cpu")),
+    }
+    if not runs_here[backend]:
+        pytest.skip(f"the {backend} attention backend does not run here")
+    return ModelRunner(
+        RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=64,
+                     attention_backend=backend)
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_decode_rows_in_a_prefill_batch_get_their_decode_logits(
     checkpoint: Path, backend: str
 ) -> None:
     """One-token rows over a cached context in an extend batch (a prefix-cache hit one token
     short of the prompt's end) get what a decode step gives them, in each backend."""
-    try:
-        runner = ModelRunner(
-            RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=64,
-                         attention_backend=backend)
-        )  # fmt: skip
-    except ValueError as e:  # the C++ kernel did not build here; Triton's interpreter is off
-        pytest.skip(str(e))
+    runner = _backend_runner(checkpoint, backend)
     book = PageBook()
     rows = [book.seq(f"d{i}", _prompt(5 + 4 * i, seed=20 + i)) for i in range(2)]
     for row in rows:
@@ -140,19 +155,33 @@ def test_decode_rows_in_a_prefill_batch_get_their_decode_logits(
     torch.testing.assert_close(got[1:], expected, atol=2e-4, rtol=1e-4)
 
 
+def test_float32_activations_over_a_bf16_cache_run_on_the_triton_backend(checkpoint: Path) -> None:
+    """``--dtype float32 --kv-cache-dtype bfloat16`` (accepted on CUDA): the Triton backend
+    stores the K/V rounded and attends them as the torch backend does (issue 31: it crashed)."""
+    if not triton_kernels.is_available(torch.device("cpu")):
+        pytest.skip("Triton's interpreter is off")
+    logits = {}
+    for backend in ("torch", "triton"):
+        runner = ModelRunner(
+            RunnerConfig(str(checkpoint), dtype="float32", kv_cache_dtype="bfloat16",
+                         page_size=PAGE_SIZE, num_pages=64, attention_backend=backend)
+        )  # fmt: skip
+        assert runner.kv_pool.storage.dtype == torch.bfloat16
+        row = PageBook().seq("r", _prompt(9, seed=50))
+        first = runner.prefill_logits([row])
+        row.token_ids.append(int(first[0].argmax()))
+        row.num_cached_tokens = row.num_tokens - 1
+        logits[backend] = torch.cat([first, runner.decode_logits([row])])
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_a_mixed_step_samples_what_a_prefill_and_a_decode_step_sample_apart(
     checkpoint: Path, backend: str
 ) -> None:
     """ModelRunner.mixed (chunked prefill): decode rows after a prompt chunk, in one forward,
     get the decode step's tokens and logprobs, and the chunk its prefill's."""
-    try:
-        runner = ModelRunner(
-            RunnerConfig(str(checkpoint), dtype="float32", page_size=PAGE_SIZE, num_pages=64,
-                         attention_backend=backend)
-        )  # fmt: skip
-    except ValueError as e:
-        pytest.skip(str(e))
+    runner = _backend_runner(checkpoint, backend)
     book = PageBook()
     greedy = SamplingParams(temperature=0, logprobs=True)
     rows = [book.seq(f"d{i}", _prompt(5 + 4 * i, seed=40 + i), greedy) for i in range(3)]

@@ -3,8 +3,9 @@
 Clients written against vLLM (guidellm, lm-eval, aiperf, vLLM's own benchmarks) send these
 fields. pdserve parses and honours the meaningful ones; a field it cannot honour is accepted
 only at its neutral value (what vLLM does when it is left out) and is otherwise a 400 naming the
-field, so a client never silently gets something other than what it asked for. docs/api.md
-lists both.
+field, so a client never silently gets something other than what it asked for. The tables
+below list both (:data:`HONOURED`, :data:`IGNORED`, :data:`CONDITIONAL` and their chat twins);
+README's "Structured outputs, tools and the vLLM extras" names the honoured ones.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Backends (one per kernel family, each tested against the torch reference):
 
 =========  ======================================================================  ==========
 ``torch``  page gathers + masked SDPA (:mod:`pdserve.kernels.attention`): reference  any device
-``cpp``    the C++ paged decode kernel; torch prefill                                 CPU
+``cpp``    the C++ paged kernels, decode and prefill                                  CPU
 ``triton`` Triton kernels reading the pool in place; graph-capturable decode           CUDA
 =========  ======================================================================  ==========
 """

@@ -1,7 +1,8 @@
-"""The CPU backend: decode through the C++ paged kernel, extend as the torch reference.
+"""The CPU backend: decode and extend (prompts, chunks) through the C++ paged kernels.
 
-The kernel (:mod:`pdserve.kernels.paged_attention`) walks each sequence's pages in place and
-stores the step's new K/V itself: no page gather, no key mask, nothing to prepare per forward.
+The kernels (:mod:`pdserve.kernels.paged_attention`) walk each sequence's pages in place and
+store the step's new K/V themselves: no page gather, no key mask, nothing to prepare per
+forward. Each prompt row is computed as a decode step at its position would compute it.
 """
 
 from __future__ import annotations

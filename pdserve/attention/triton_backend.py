@@ -1,6 +1,7 @@
 """The GPU backend: Triton kernels that read the page pool in place; graph-capturable decode.
 
-The step's new K/V are stored with one indexed write per layer right before the kernel. Decode
+The step's new K/V are stored with one indexed write per layer right before the kernel, in the
+cache's dtype (float32 activations over a bf16 cache: rounded once, as on CPUs). Decode
 reads lengths, block table and its width from device tensors and keeps its per-split partial
 results in a workspace: one per forward when eager, one static buffer shared by every captured
 decode graph (layers run one after another on one stream, so they can share it).
@@ -58,7 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
         assert batch.q_starts is not None and batch.num_new is not None
         assert batch.num_cached is not None
         pool = self.layer_pools[layer]
-        write_layer_kv(pool, batch.page_idx, batch.page_offset, new_kv)
+        write_layer_kv(pool, batch.page_idx, batch.page_offset, new_kv.to(pool.dtype))
         return extend_attention(
             q, pool, batch.block_table, batch.q_starts, batch.num_new, batch.num_cached,
             batch.max_new, self.config.scale, self.config.sliding_window,
@@ -70,7 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
         assert batch.context_lens is not None and batch.block_table_width is not None
         assert self._workspace is not None, "init_forward_metadata was not called"
         pool = self.layer_pools[layer]
-        write_layer_kv(pool, batch.page_idx, batch.page_offset, new_kv)
+        write_layer_kv(pool, batch.page_idx, batch.page_offset, new_kv.to(pool.dtype))
         return paged_decode_attention(
             q, pool, batch.block_table, batch.block_table_width, batch.context_lens,
             self.config.scale, self.config.sliding_window, self._num_splits, self._workspace,

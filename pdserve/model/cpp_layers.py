@@ -69,13 +69,14 @@ class CppDecoderLayers:
         return True
 
 
-def cpp_decoder_layers(
-    cfg: ModelConfig, layers: Sequence[LayerParts], act_dtype: torch.dtype, attn: AttentionBackend
-) -> CppDecoderLayers | None:
-    """The C++ stack where it computes exactly what the Python loop would, else None."""
-    module = cpu_ext.load()
-    is_supported = (
-        module is not None
+def uses_cpp_stack(
+    device: torch.device, layers: Sequence[LayerParts], act_dtype: torch.dtype,
+    attn: AttentionBackend,
+) -> bool:  # fmt: skip
+    """Whether the C++ stack can run this model: decided from the model's device and parts
+    alone, before anything loads the C++ CPU module (a CUDA run never builds it)."""
+    return (
+        device.type == "cpu"
         and isinstance(attn, CppAttentionBackend)
         and act_dtype == torch.float32  # the rope tables' and norms' dtype too
         and all(
@@ -85,9 +86,19 @@ def cpp_decoder_layers(
             for layer in layers
         )
     )
-    if not is_supported:
+
+
+def cpp_decoder_layers(
+    cfg: ModelConfig, layers: Sequence[LayerParts], act_dtype: torch.dtype,
+    attn: AttentionBackend, device: torch.device,
+) -> CppDecoderLayers | None:  # fmt: skip
+    """The C++ stack where it computes exactly what the Python loop would, else None."""
+    if not uses_cpp_stack(device, layers, act_dtype, attn):
         return None
-    assert module is not None and isinstance(attn, CppAttentionBackend)
+    module = cpu_ext.load()
+    if module is None:
+        return None
+    assert isinstance(attn, CppAttentionBackend)
     return CppDecoderLayers(module, cfg, layers, attn)
 
 

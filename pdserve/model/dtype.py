@@ -93,8 +93,9 @@ def resolve_kv_cache_dtype(
 ) -> torch.dtype:
     """The KV cache's dtype: ``auto`` is the weights' (bf16 for a bf16 checkpoint: K/V are
     computed in the activations' float32 on CPUs and rounded once, when stored); an explicit
-    ``bfloat16`` / ``float32`` wins where the attention kernels read it (a pool dtype other
-    than the activations' is a CPU feature)."""
+    ``bfloat16`` / ``float32`` wins where the attention kernels read it: a pool dtype other than
+    the activations' needs float32 activations (every CPU run; ``--dtype float32`` on CUDA,
+    where every backend rounds the new K/V to the pool's dtype as it stores them)."""
     import torch
 
     if name not in KV_CACHE_DTYPE_CHOICES:

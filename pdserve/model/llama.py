@@ -74,6 +74,7 @@ class LlamaModel:
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.device = torch.device(device)
         self.act_dtype = activation_dtype(dtype, device)
         self.layers = [_Layer(w, self.act_dtype) for w in weights.layers]
         self.lm_head = Linear(weights.lm_head, None, self.act_dtype)
@@ -125,7 +126,7 @@ class LlamaModel:
         if self._cpp_layers is None or self._cpp_layers[0] is not attn:
             self._cpp_layers = (
                 attn,
-                cpp_decoder_layers(self.config, self.layers, self.act_dtype, attn),
+                cpp_decoder_layers(self.config, self.layers, self.act_dtype, attn, self.device),
             )
         return self._cpp_layers[1]
 

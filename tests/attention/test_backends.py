@@ -34,11 +34,14 @@ def _backends(device: str) -> list[str]:
 
 
 def _run(
-    name: str, device: str, dtype: torch.dtype, window: int | None
-) -> tuple[list[list[torch.Tensor]], KVPagePool]:
-    """Outputs of every call, and the pool, after one extend and a few decode steps."""
-    config = AttentionConfig(GROUP * NUM_KV, NUM_KV, HEAD_DIM, window, max_model_len=64)
-    kv_config = KVCacheConfig(NUM_LAYERS, NUM_KV, HEAD_DIM, NUM_PAGES, PAGE, dtype)
+    name: str, device: str, dtype: torch.dtype, window: int | None,
+    kv_dtype: torch.dtype | None = None,
+) -> tuple[list[list[torch.Tensor]], KVPagePool]:  # fmt: skip
+    """Outputs of every call, and the pool, after one extend and a few decode steps; ``dtype``
+    is the activations' (q and the new K/V), ``kv_dtype`` the cache's (default: the same)."""
+    config = AttentionConfig(GROUP * NUM_KV, NUM_KV, HEAD_DIM, window, 64, act_dtype=dtype)
+    kv_dtype = kv_dtype or dtype
+    kv_config = KVCacheConfig(NUM_LAYERS, NUM_KV, HEAD_DIM, NUM_PAGES, PAGE, kv_dtype)
     pool = KVPagePool(kv_config, device=device, hugepages=False)
     backend = create_backend(name, config, pool)
     gen = torch.Generator().manual_seed(0)
@@ -51,7 +54,7 @@ def _run(
     # The prefixes' K/V: written straight into the pool (as a transfer or an earlier step would).
     for s in seqs:
         for p in s.page_ids[: -(-s.num_cached_tokens // PAGE)]:
-            pool.kv[p] = torch.randn(pool.kv[p].shape, generator=gen).to(dtype)
+            pool.kv[p] = torch.randn(pool.kv[p].shape, generator=gen).to(kv_dtype)
     outputs = []
     batch, _ = extend_batch(seqs, PAGE, pool.scratch_page, torch.device(device))
     outputs.append(_forward(backend, batch, gen, dtype, device))
@@ -93,6 +96,24 @@ def test_backends_match_the_torch_backend(
         out, pool = _run(name, device, dtype, window)
         for got, want in zip(out, ref_out, strict=True):
             torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=name)
+        assert torch.equal(pool.storage, ref_pool.storage), name
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_float32_activations_over_a_bf16_cache_match_the_torch_backend(
+    device: str, window: int | None
+) -> None:
+    """``--dtype float32 --kv-cache-dtype bfloat16``: the new K/V are rounded to the cache's
+    dtype as they are stored and attended as stored, in every backend (the Triton backend
+    wrote them uncast and crashed, issue 31)."""
+    ref_out, ref_pool = _run("torch", device, torch.float32, window, torch.bfloat16)
+    assert ref_pool.storage.dtype == torch.bfloat16
+    for name in _backends(device):
+        out, pool = _run(name, device, torch.float32, window, torch.bfloat16)
+        for got, want in zip(out, ref_out, strict=True):
+            # The PV product rounds the probabilities to the cache's dtype, as flash
+            # attention does; the torch reference keeps them float32.
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=name)
         assert torch.equal(pool.storage, ref_pool.storage), name
 
 

@@ -3,6 +3,8 @@ result never depends on its batch (row count, grouping, threads)."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -12,8 +14,16 @@ from gguf.quants import quantize
 from pdserve.kernels import cpu_ext, quant_gemm
 from pdserve.model.quantized import QuantizedTensor
 
-module = cpu_ext.load()
-pytestmark = pytest.mark.skipif(module is None, reason="kernel needs AVX2 and a C++ compiler")
+
+@pytest.fixture(autouse=True)
+def module() -> types.ModuleType:
+    """The C++ module, loaded (built on first use) by a test that runs, never at import: a
+    GPU run collects this file and must not build the CPU kernels."""
+    loaded = cpu_ext.load()
+    if loaded is None:
+        pytest.skip("kernel needs AVX2 and a C++ compiler")
+    return loaded
+
 
 QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 ALL_TYPES = [*QUANTIZED, "F16", "BF16", "F32"]
@@ -53,8 +63,9 @@ def dequantized(weight: QuantizedTensor) -> torch.Tensor:
 
 
 def packed(parts: list[QuantizedTensor]) -> quant_gemm.PackedQuantWeight:
-    assert module is not None
-    return quant_gemm.PackedQuantWeight(module, parts)
+    loaded = cpu_ext.load()
+    assert loaded is not None
+    return quant_gemm.PackedQuantWeight(loaded, parts)
 
 
 def assert_close_to_float64(y: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
@@ -152,10 +163,10 @@ def test_refuses_other_inputs() -> None:
         packed([random_weight("Q8_0", 16, 64, seed=0), random_weight("Q8_0", 16, 32, seed=0)])
 
 
-@pytest.mark.skipif(module is None or not module.avx512_enabled(), reason="no AVX-512 here")
 @pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_avx512_paths_give_the_avx2_bits(type_name: str) -> None:
-    assert module is not None
+def test_avx512_paths_give_the_avx2_bits(type_name: str, module: types.ModuleType) -> None:
+    if not module.avx512_enabled():
+        pytest.skip("no AVX-512 here")
     k = 2 * block_k(type_name) if block_k(type_name) == 256 else 6 * block_k(type_name)
     w = packed([random_weight(type_name, 45, k, seed=5)])
     # Up to 12 rows stream the packed panels (1, 2 rows: panels side by side); 3+ row groups

@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import itertools
-import os
 import signal
 import socket
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from pdserve.envs import env_with_pythonpath
 
 DRIVER = Path(__file__).with_name("driver.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ class DriverProc:
                 argv.append(flag)
             elif value is not False and value is not None:
                 argv += [flag, str(value)]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = env_with_pythonpath(str(REPO))  # the parent's entries kept: carried wheels
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE,

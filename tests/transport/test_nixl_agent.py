@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +16,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from pdserve.envs import env_with_pythonpath
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
 from pdserve.transport.nixl_agent import KVAgent, KVAgentConfig, PoolDescriptor, TransferError
 
@@ -348,7 +348,7 @@ async def test_child_process_receives_pages_with_matching_checksum() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CHILD, orjson.dumps(kv_args).decode(),
         stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=env_with_pythonpath(str(REPO)),
     )  # fmt: skip
     assert proc.stdout is not None
     sender = started("tcore-parent", make_pool(seed=7))

@@ -20,9 +20,10 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def upcast_dots(device: torch.device) -> bool:
-    """Whether the kernels cast bf16/fp16 dot operands to float32 first: only on the CPU, where
-    they run in Triton's interpreter, whose ``tl.dot`` multiplies bf16 operands' raw bits.
-    The products are exact either way (bf16 x bf16 fits float32), so the numerics are the
-    GPU's: half-precision operands, float32 accumulation."""
-    return device.type == "cpu"
+def upcast_dots(q: torch.Tensor, layer_pool: torch.Tensor) -> bool:
+    """Whether the kernels cast the dot operands to float32 first: on the CPU, where they run
+    in Triton's interpreter, whose ``tl.dot`` multiplies bf16 operands' raw bits (the products
+    are exact either way: bf16 x bf16 fits float32, so the numerics are the GPU's), and where
+    the queries' dtype is not the cache's (float32 activations over a bf16 cache: ``tl.dot``
+    takes two operands of one dtype)."""
+    return q.device.type == "cpu" or q.dtype != layer_pool.dtype

@@ -172,7 +172,7 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
-        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.device),
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q, layer_pool),
     )  # fmt: skip
     out = torch.empty_like(q)
     _decode_merge_kernel[(num_seqs, num_heads)](

@@ -154,6 +154,6 @@ def extend_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_block(head_dim),
         HAS_WINDOW=sliding_window is not None, PRECISION=dot_precision(q.dtype),
-        UPCAST=upcast_dots(q.device), **tuning,
+        UPCAST=upcast_dots(q, layer_pool), **tuning,
     )  # fmt: skip
     return out
