@@ -65,7 +65,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-bootstrap", type=float, default=30.0)
     g.add_argument("--timeout-waiting-for-input", type=float, default=60.0)
     g.add_argument("--timeout-transfer", type=float, default=30.0)
-    g.add_argument("--timeout-queue", type=float, default=60.0)
+    g.add_argument("--timeout-queue", type=float, default=60.0, help="waiting for a prefill slot")
+    g.add_argument(
+        "--timeout-prefill-progress", type=float, default=60.0,
+        help="prefilling: a prompt whose prefill makes no progress (no prefill step ends) for "
+        "this long fails; each step renews it, so a long prompt is never cut off while it moves",
+    )  # fmt: skip
     g.add_argument("--timeout-waiting-for-kv", type=float, default=120.0)
     g.add_argument(
         "--timeout-request", type=float, default=None,

@@ -49,6 +49,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill=args.chunked_prefill,
         prefix_caching=args.prefix_caching,
+        policy=args.scheduling_policy,
     )
 
 
@@ -66,6 +67,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         scheduler=scheduler_config_from_args(args),
         deadlines=RequestDeadlines(
             waiting_s=args.timeout_queue,
+            prefill_progress_s=args.timeout_prefill_progress,
             waiting_for_kv_s=args.timeout_waiting_for_kv,
             prefill_inflight_s=args.timeout_transfer + args.timeout_waiting_for_input,
             request_s=args.timeout_request,

@@ -49,6 +49,7 @@ class GenerateRequest:
     deadline_s: float | None = None  # overall request deadline, relative to admission
     grammar: GrammarMatcher | None = None  # structured output: this stream's own matcher
     resume: ResumeState | None = None  # migrated: continue after these generated tokens
+    priority: int = 0  # --scheduling-policy priority: lower values first (vLLM's meaning)
 
 
 @dataclass(slots=True)

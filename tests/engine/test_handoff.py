@@ -53,6 +53,7 @@ def test_prefilled_pages_go_to_the_sender_with_the_steps_kv_marker() -> None:
     handoff = PrefillHandoff(engine, sender)  # type: ignore[arg-type]
     seq = Sequence("r", [1, 2, 3], 3, SamplingParams(), [4, 5])
     req = Request("r", seq, KVTransferParams("room", "127.0.0.1", 1))
+    assert req.move(RequestState.PREFILLING, "prefill starts")
     marker = _Marker()
     assert handoff.on_prefilled(req, 9, None, marker)
     (args,) = sender.sent
