@@ -36,9 +36,8 @@ class FirstTokens(EngineObserver):
     def on_arrival(self, req: Request) -> None:
         if req.request_id == self.watch and self.engine is not None:
             live = self.engine.debug_requests()
-            self.waiting_at_arrival = {
-                r["request_id"] for r in live if r["state"] == "waiting" and r["request_id"] != self.watch
-            }
+            waiting = {r["request_id"] for r in live if r["state"] == "waiting"}
+            self.waiting_at_arrival = waiting - {self.watch}
 
     def on_first_token(self, req: Request, ttft_s: float) -> None:
         self.order.append(req.request_id)
@@ -59,8 +58,10 @@ async def _run_full_queue(runner: ModelRunner, policy: str) -> FirstTokens:
         sp: dict[str, Any] = dict(max_tokens=24, temperature=0, ignore_eos=True)
         queued = [
             asyncio.create_task(
-                _drain(engine, GenerateRequest(f"q{i}", [3 + i, 4, 5], SamplingParams(**sp),
-                                               priority=10))  # fmt: skip
+                _drain(
+                    engine,
+                    GenerateRequest(f"q{i}", [3 + i, 4, 5], SamplingParams(**sp), priority=10),
+                )  # fmt: skip
             )
             for i in range(NUM_QUEUED)
         ]
