@@ -46,6 +46,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="JSON schemas that say nothing of additionalProperties allow undeclared keys (JSON "
         "Schema's reading); by default they do not, as in vLLM (xgrammar's strict mode)",
     )  # fmt: skip
+    p.add_argument(
+        "--sse-keepalive-s", type=float, default=15.0, metavar="S",
+        help="a stream waiting this long for its first token gets a ': keep-alive' SSE comment, "
+        "then one every S seconds until it (0: off); a router sends its own and asks for none",
+    )  # fmt: skip
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")
     p.add_argument(

@@ -102,6 +102,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             api_key=api_key,
             max_body_bytes=args.max_body_kb << 10,
             request_deadline_s=args.timeout_request,
+            sse_keepalive_s=args.sse_keepalive_s,
             json_allow_extra_keys=args.json_schema_extra_keys,
         ),
         host=args.host,
