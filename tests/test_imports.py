@@ -128,8 +128,8 @@ def _unit(module: str) -> str:
 # Compute, transfer and plain types: what the serving layers are built from. None of it may import
 # a serving layer back (docs/architecture.md, "Dependency direction").
 LOWER = {
-    "attention", "device", "envs", "file_lock", "fsm", "grammar", "identity", "keepalive", "kernels",
-    "kv_sizing", "lifetime", "model",
+    "attention", "device", "envs", "file_lock", "fsm", "grammar", "identity", "keepalive",
+    "kernels", "kv_sizing", "lifetime", "model",
     "model_runner", "registration_msg", "runner_config", "sampler", "sampling_params", "sequence",
     "thread_tuning", "transport", "types",
 }  # fmt: skip

@@ -60,6 +60,8 @@ class RouterConfig:
     max_prefill_backlog_tokens: int = 65536
     retry_after_s: int = 1  # the Retry-After of a 429 (admission check) or 503 (draining)
     drain_timeout_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
+    # A stream with no data chunk yet gets ": keep-alive" comments this often (0: off).
+    sse_keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls", "worker_urls"):
@@ -97,6 +99,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.first_byte_timeout_s is not None and not self.first_byte_timeout_s > 0:
             raise ValueError("first_byte_timeout_s must be > 0 or None")
+        if self.sse_keepalive_s < 0:
+            raise ValueError("sse_keepalive_s must be >= 0 (0: off)")
         if self.backoff_base_s < 0 or self.max_backoff_s < 0:
             raise ValueError("backoff times must be >= 0")
 
