@@ -97,7 +97,7 @@ class Request:
             )
             return False
         logger.debug(
-            "req=%s room=%s state %s -> %s reason=%s",
+            "req=%s room=%s %s -> %s reason=%s",
             self.request_id, self.room_id, self.state.value, to.value, reason,
         )  # fmt: skip
         self.last_transition = (self.state.value, to.value, reason)
