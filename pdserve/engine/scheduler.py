@@ -59,6 +59,14 @@ def priority_key(req: Request) -> tuple[int, float]:
     return (req.priority, req.arrival)
 
 
+def insert_by_priority(queue: deque[Request] | list[Request], req: Request) -> None:
+    """Put ``req`` into ``queue`` (in :func:`priority_key` order) after every equal key."""
+    i, key = len(queue), priority_key(req)
+    while i > 0 and priority_key(queue[i - 1]) > key:
+        i -= 1
+    queue.insert(i, req)
+
+
 @dataclass
 class SchedulerStats:
     """Counters the metrics module reads: preemptions by cause."""
@@ -138,10 +146,7 @@ class Scheduler:
             else:
                 queue.append(req)
             return
-        i, key = len(queue), priority_key(req)
-        while i > 0 and priority_key(queue[i - 1]) > key:
-            i -= 1
-        queue.insert(i, req)
+        insert_by_priority(queue, req)
 
     def add_running(self, req: Request) -> None:
         """A request with its prompt's KV computed or received joins the decode batch, or waits
@@ -149,7 +154,7 @@ class Scheduler:
         if self._num_seqs() < self.config.max_num_seqs:
             self._enqueue(self.running, req, at_head=False)
         else:
-            self.ready.append(req)
+            self._enqueue(self.ready, req, at_head=False)
 
     def _num_seqs(self) -> int:
         return len(self.running) + len(self.prefilling)
