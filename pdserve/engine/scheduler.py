@@ -295,8 +295,10 @@ class Scheduler:
             no_row = self._num_seqs() >= cfg.max_num_seqs
             return no_row or not self.cache.can_allocate_with(hit, missing)
 
+        # At most every victim's pages come back (fewer where others share them).
         freeable = sum(len(v.seq.page_ids) for v in victims)
-        if not is_blocked() or self.allocator.num_available + freeable < missing + len(hit):
+        reviving = sum(1 for p in hit if self.allocator.refcount(p) == 0)
+        if not is_blocked() or self.allocator.num_available + freeable < missing + reviving:
             return
         while victims and is_blocked():
             victim = victims.pop()  # running is in key order: the lowest priority's youngest

@@ -11,7 +11,7 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.protocol import GenerateRequest
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, RequestState
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.stats import EngineObserver
 from pdserve.kernels.kv_cache import PageAllocator
@@ -115,3 +115,34 @@ def test_the_priority_queue_orders_by_value_then_arrival():
 def test_an_unknown_scheduling_policy_is_refused():
     with pytest.raises(ValueError, match="scheduling policy"):
         SchedulerConfig(policy="lifo")
+
+
+def _running(s: Scheduler, req: Request) -> None:
+    """Through its prefill into the decode batch, as the engine does."""
+    s.add(req)
+    batch = s.schedule()
+    assert batch is not None and req in batch.prefill
+    assert s.prefilled(req, req.seq.num_tokens)
+    req.seq.token_ids.append(1)
+    req.move(RequestState.RUNNING, "prefilled")
+    s.add_running(req)
+
+
+def test_a_lower_priority_stream_is_preempted_only_when_that_lets_the_head_start():
+    s = Scheduler(SchedulerConfig(policy="priority", prefix_caching=False), PageAllocator(4), 4)
+    low = Request("low", Sequence("low", list(range(7)), 7), priority=10)
+    _running(s, low)  # 2 pages of 4
+    huge = Request("huge", Sequence("huge", list(range(20)), 20), priority=0)  # 5 pages
+    s.add(huge)
+    batch = s.schedule()
+    assert batch is not None and batch.decode == [low]  # preempting it would not be enough
+    assert s.stats.num_preemptions["priority"] == 0
+    s.remove(huge)
+    high = Request("high", Sequence("high", list(range(12)), 12), priority=0)  # 3 pages
+    s.add(high)
+    batch = s.schedule()
+    assert batch is not None and batch.prefill == [high] and batch.decode == []
+    assert low.state is RequestState.WAITING and low.seq.page_ids == []
+    assert low.seq.token_ids == [*range(7), 1]  # its tokens kept for the re-prefill
+    assert s.stats.num_preemptions == {"out_of_pages": 0, "priority": 1}
+    s.allocator.check_integrity()
