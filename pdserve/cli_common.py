@@ -74,6 +74,11 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
         help="keep full KV pages of finished and running prompts and reuse them for prompts "
         "with the same prefix (LRU-evicted when pages run out)",
     )  # fmt: skip
+    p.add_argument(
+        "--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+        help="fcfs: arrival order; priority: a request's 'priority' field, lower first (ties "
+        "by arrival), and a waiting request may preempt running ones of a lower priority",
+    )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--num-threads", type=int, default=None,

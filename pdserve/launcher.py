@@ -298,7 +298,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     """Every model/engine flag of `pdserve up`, passed on to both workers."""
     out = ["--dtype", args.dtype, "--page-size", str(args.page_size),
            "--max-num-seqs", str(args.max_num_seqs),
-           "--max-prefill-tokens", str(args.max_prefill_tokens)]  # fmt: skip
+           "--max-prefill-tokens", str(args.max_prefill_tokens),
+           "--scheduling-policy", args.scheduling_policy]  # fmt: skip
     out += [] if args.chunked_prefill else ["--no-chunked-prefill"]
     out += [] if args.prefix_caching else ["--no-prefix-caching"]
     optional = {

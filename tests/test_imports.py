@@ -128,11 +128,10 @@ def _unit(module: str) -> str:
 # Compute, transfer and plain types: what the serving layers are built from. None of it may import
 # a serving layer back (docs/architecture.md, "Dependency direction").
 LOWER = {
-    "attention", "auth", "device", "envs", "file_lock", "fsm", "grammar", "identity", "kernels",
-    "kv_sizing", "lifetime", "model",
+    "attention", "auth", "device", "envs", "file_lock", "fsm", "grammar", "identity",
+    "keepalive", "kernels", "kv_sizing", "lifetime", "model",
     "model_runner", "reasoning", "registration_msg", "runner_config", "sampler", "sampling_params",
-    "sequence",
-    "thread_tuning", "tls", "transport", "types",
+    "sequence", "thread_tuning", "tls", "transport", "types",
 }  # fmt: skip
 SERVING = {
     "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher", "llm",

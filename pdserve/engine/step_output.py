@@ -132,7 +132,7 @@ class StepOutputs:
                 handoff = self.hooks.handoff
                 if handoff is not None and handoff.on_prefilled(req, tok, lp, kv_ready):
                     continue
-                if req.state is RequestState.WAITING:
+                if req.state is RequestState.PREFILLING:
                     req.move(RequestState.RUNNING, "prefilled")
                     self.hooks.disarm(req)
                     self.scheduler.add_running(req)
