@@ -13,6 +13,11 @@ from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 
+# pdserve.api.tool_parsers.CHOICES, spelled out so the CLI does not import the HTTP layer
+# (tests/api/tool_parsers/test_registry.py holds the two equal).
+TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml",
+                       "pythonic")  # fmt: skip
+
 if TYPE_CHECKING:
     from pdserve.server import Server
 
@@ -45,6 +50,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--json-schema-extra-keys", action="store_true",
         help="JSON schemas that say nothing of additionalProperties allow undeclared keys (JSON "
         "Schema's reading); by default they do not, as in vLLM (xgrammar's strict mode)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+        help="how tool calls are read from the model's text (vLLM's names); auto: the format the "
+        "chat template shows (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, ...)",
     )  # fmt: skip
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")

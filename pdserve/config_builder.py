@@ -101,6 +101,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_body_bytes=args.max_body_kb << 10,
             request_deadline_s=args.timeout_request,
             json_allow_extra_keys=args.json_schema_extra_keys,
+            tool_call_parser=args.tool_call_parser,
         ),
         host=args.host,
         port=port,

@@ -15,6 +15,7 @@ from pdserve.api.logprobs import TokenTexts
 from pdserve.api.metrics import HttpMetrics
 from pdserve.api.middleware import auth_middleware, error_middleware, metrics_middleware
 from pdserve.api.state import API_CONTEXT, ApiContext
+from pdserve.api.tool_parsers import resolve_parser
 from pdserve.engine.protocol import EngineClient
 
 
@@ -45,6 +46,9 @@ def build_app(
         created=int(time.time()),
         grammars=GrammarService(engine.tokenizer),
         drain=drain,
+        tool_parser=resolve_parser(
+            config.tool_call_parser, getattr(engine.tokenizer, "chat_template", None)
+        ),
     )
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)

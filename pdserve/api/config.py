@@ -35,3 +35,5 @@ class ApiConfig:
     # JSON schemas: may objects hold keys their schema does not declare when it says nothing
     # of additionalProperties? False: no (vLLM's default); True: yes (JSON Schema's reading).
     json_allow_extra_keys: bool = False
+    # --tool-call-parser: a name of pdserve.api.tool_parsers.CHOICES ("auto": from the template).
+    tool_call_parser: str = "auto"

@@ -23,6 +23,7 @@ class ApiContext:
     created: int  # advertised as the model's creation time in /v1/models
     grammars: GrammarService  # structured outputs: compiles constraints per request
     drain: DrainGate = field(default_factory=DrainGate)  # POST /drain and SIGTERM flip it
+    tool_parser: str = "hermes"  # --tool-call-parser, "auto" resolved from the chat template
 
 
 API_CONTEXT: web.AppKey[ApiContext] = web.AppKey("pdserve_api_context", ApiContext)
