@@ -28,7 +28,7 @@ class PythonicParser(ToolParser):
 
     def __init__(self, tools: ToolConfig) -> None:
         super().__init__(tools)
-        self._state = "start"  # start | call | sep | plain
+        self._state = "start"  # start | call | sep | end | plain
         self._scanned = 0  # call: characters of the buffer already scanned
         self._depth = 0
         self._quote = ""  # the open string's quote character(s)
@@ -69,11 +69,18 @@ class PythonicParser(ToolParser):
             return True
         if stripped[0] == "]":
             self._consume(len(self._buf) - len(stripped) + 1)
-            rest = self._buf.lstrip()
-            if rest.startswith(_PY_END) or (not final and _PY_END.startswith(rest)):
-                if not rest.startswith(_PY_END):
-                    return False
-                self._consume(len(self._buf) - len(rest) + len(_PY_END))
+            self._state = "end"
+            return True
+        self._state = "plain"
+        return True
+
+    def _st_end(self, final: bool) -> bool:
+        """After the list: Llama 4's closing tag is dropped, the rest is content."""
+        rest = self._buf.lstrip()
+        if rest.startswith(_PY_END):
+            self._consume(len(self._buf) - len(rest) + len(_PY_END))
+        elif not final and _PY_END.startswith(rest):
+            return False
         self._state = "plain"
         return True
 
