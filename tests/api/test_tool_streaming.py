@@ -99,11 +99,12 @@ async def test_parallel_tool_calls_false_returns_only_the_first_call(client: Tes
 
 @pytest.mark.parametrize("config", [make_config(tool_call_parser="qwen3_coder")])
 async def test_the_flag_chooses_the_parser(client: TestClient) -> None:
-    call = "<tool_call>\n<function=time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
+    call = (
+        "<tool_call>\n<function=time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
+    )
     events, whole = await _both(client, _body(call))
     _, calls, _ = _assemble(events)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("time", {"tz": "UTC"})
     ]
     assert whole["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "time"
-

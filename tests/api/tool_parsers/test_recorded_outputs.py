@@ -86,7 +86,9 @@ def test_every_split_streams_to_the_unstreamed_parse(case: dict[str, Any]) -> No
 
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(CASES), st.lists(st.integers(0, 400), max_size=12))
-def test_any_chunking_streams_to_the_unstreamed_parse(case: dict[str, Any], cuts: list[int]) -> None:
+def test_any_chunking_streams_to_the_unstreamed_parse(
+    case: dict[str, Any], cuts: list[int]
+) -> None:
     tools = tool_config()
     cuts = [c for c in cuts if c <= len(case["text"])]
     whole = _shape(parse_whole(make_parser(tools, case["parser"]), case["text"]))

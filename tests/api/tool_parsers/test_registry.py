@@ -23,7 +23,7 @@ def test_the_cli_offers_exactly_the_registered_parsers() -> None:
         (CHAT_TEMPLATE, "hermes"),  # Qwen 2.5 / the demo model: <tool_call> JSON
         ("...<tool_call>\n<function=example>\n<parameter=x>...", "qwen3_coder"),
         ("{{ '[AVAILABLE_TOOLS]' }}...{{ '[TOOL_CALLS]' }}", "mistral"),
-        ('Respond in the format [func_name1(params_name1=params_value1...)]', "pythonic"),
+        ("Respond in the format [func_name1(params_name1=params_value1...)]", "pythonic"),
         ('<|python_tag|>... {"name": function name, "parameters": ...}', "llama3_json"),
         ("{{ messages }}", "hermes"),
         (None, "hermes"),
@@ -48,7 +48,8 @@ def test_forced_choices_use_the_grammars_parsers_whatever_the_flag() -> None:
                                                       "function": {"name": "get_time"}}},
         ApiConfig("m"),
     )  # fmt: skip
-    required = parse_tools({"tools": tool_config().tools, "tool_choice": "required"}, ApiConfig("m"))
+    body = {"tools": tool_config().tools, "tool_choice": "required"}
+    required = parse_tools(body, ApiConfig("m"))
     assert named is not None and required is not None
     assert isinstance(make_parser(named, "mistral"), NamedParser)
     assert isinstance(make_parser(required, "hermes"), RequiredParser)
