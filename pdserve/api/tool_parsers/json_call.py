@@ -156,9 +156,16 @@ class _State(enum.Enum):
 class CallObjectReader:
     """Reads one call object from the parser's buffer, emitting through the parser."""
 
-    def __init__(self, parser: ToolParser, args_keys: tuple[str, ...] = ("arguments",)) -> None:
+    def __init__(
+        self,
+        parser: ToolParser,
+        args_keys: tuple[str, ...] = ("arguments",),
+        is_whole_allowed: bool = True,
+    ) -> None:
         self._parser = parser
         self._args_keys = args_keys
+        # False: only ``{"name": ...`` counts (a bare "{" in prose is rejected at its first key).
+        self._is_whole_allowed = is_whole_allowed
         self._state = _State.HEADER
         self._scanner = JsonScanner()
         self._scanned = 0  # WHOLE: characters of the buffer already scanned
@@ -172,6 +179,8 @@ class CallObjectReader:
             try:
                 header = read_header(p._buf, self._args_keys)
             except _NotHeader:
+                if not self._is_whole_allowed:
+                    return Status.REJECTED
                 self._state = _State.WHOLE
                 return self._whole(final)
             if header is None:
