@@ -184,9 +184,12 @@ class ChatResponseBuilder(ResponseBuilder):
         self._parsers = [make_parser(tools, tool_parser) for _ in range(n)] if tools else []
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """OpenAI opens each choice with an empty assistant delta carrying the role."""
+        """OpenAI opens each choice with an empty assistant delta carrying the role; with
+        tools its content is null, so an answer of calls alone assembles to ``content: null``
+        as the unstreamed message has it."""
+        content = None if self._tools is not None else ""
         return [
-            self._chunk(_chat_choice(i, {"role": "assistant", "content": ""}, None, None))
+            self._chunk(_chat_choice(i, {"role": "assistant", "content": content}, None, None))
             for i in range(self.prepared.num_choices)
         ]
 
