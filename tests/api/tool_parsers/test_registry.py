@@ -53,3 +53,10 @@ def test_forced_choices_use_the_grammars_parsers_whatever_the_flag() -> None:
     assert named is not None and required is not None
     assert isinstance(make_parser(named, "mistral"), NamedParser)
     assert isinstance(make_parser(required, "hermes"), RequiredParser)
+
+
+def test_only_parsers_whose_markers_are_special_tokens_keep_them_in_the_text() -> None:
+    from pdserve.api.tool_parsers import needs_special_tokens
+
+    assert needs_special_tokens("mistral")  # [TOOL_CALLS] is a control token
+    assert not any(needs_special_tokens(p) for p in PARSERS if p != "mistral")
