@@ -1,11 +1,11 @@
 """Tool calling on 20 prompts (8 single calls, 6 two parallel calls, 6 needing no call; the five
 tool schemas of bench/data/tool_prompts.json), against pdserve or llama.cpp's llama-server.
 
-Each prompt is asked twice, greedy: streamed (the official openai client's accumulation) and
-not. Reported, per target: the calls parsed, those whose arguments validate against their
-tool's schema (jsonschema), the prompts answered as their kind asks (the expected number of
-valid calls; no call for the "none" kind), and how many prompts streamed exactly what the
-unstreamed answer holds (content, call names, arguments as JSON).
+Each prompt is asked twice with the official openai client, greedy: streamed (assembled by
+call index, as clients do) and not. Reported, per target: the calls parsed, those whose
+arguments validate against their tool's schema (jsonschema), the prompts answered as their kind
+asks (the expected number of valid calls; no call for the "none" kind), and how many prompts
+streamed exactly what the unstreamed answer holds (content, call names, arguments as JSON).
 
     M=~/.cache/pdserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
     python bench/tool_calls.py --target pdserve --model $M
@@ -46,12 +46,33 @@ def _shape(message: Any) -> tuple[str | None, list[tuple[str, Any]]]:
     """What is compared between streamed and not: content and calls with parsed arguments."""
     calls = []
     for call in message.tool_calls or []:
-        try:
-            args = json.loads(call.function.arguments)
-        except json.JSONDecodeError:
-            args = call.function.arguments  # compared as text when it is not JSON
-        calls.append((call.function.name, args))
+        calls.append((call.function.name, _json_or_text(call.function.arguments)))
     return message.content or None, calls
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments  # compared as text when it is not JSON
+
+
+async def _streamed_shape(stream: Any) -> tuple[str | None, list[tuple[str, Any]]]:
+    """A stream assembled as clients do (by call ``index``); also when it ends at ``length``,
+    where the openai client's ``stream()`` helper raises instead."""
+    content: list[str] = []
+    names: dict[int, str] = {}
+    args: dict[int, list[str]] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            for piece in choice.delta.tool_calls or []:
+                if piece.function and piece.function.name:
+                    names[piece.index] = piece.function.name
+                if piece.function and piece.function.arguments:
+                    args.setdefault(piece.index, []).append(piece.function.arguments)
+    calls = [(names[i], _json_or_text("".join(args.get(i, [])))) for i in sorted(names)]
+    return "".join(content) or None, calls
 
 
 def score_calls(calls: list[tuple[str, Any]], schemas: dict[str, dict[str, Any]]) -> int:
@@ -70,20 +91,19 @@ def score_calls(calls: list[tuple[str, Any]], schemas: dict[str, dict[str, Any]]
 async def ask(
     client: AsyncOpenAI, model: str, tools: list[dict[str, Any]], prompt: str, max_tokens: int
 ) -> tuple[Any, Any]:
-    """(unstreamed message, streamed message) for one prompt."""
+    """(unstreamed message, streamed (content, calls)) for one prompt."""
     request: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "tools": tools,
+        # Said outright: llama-server's default is false (OpenAI's and pdserve's, true).
+        "parallel_tool_calls": True,
         "temperature": 0,
         "max_tokens": max_tokens,
     }
     whole = await client.chat.completions.create(**request)
-    async with client.chat.completions.stream(**request) as stream:
-        async for _ in stream:
-            pass
-        streamed = await stream.get_final_completion()
-    return whole.choices[0].message, streamed.choices[0].message
+    streamed = await _streamed_shape(await client.chat.completions.create(**request, stream=True))
+    return whole.choices[0].message, streamed
 
 
 async def run_prompts(
@@ -106,7 +126,7 @@ async def run_prompts(
                 "num_calls": len(calls),
                 "num_valid_calls": valid,
                 "is_as_asked": valid == item["num_calls"] == len(calls),
-                "is_stream_equal": _shape(streamed) == (content, calls),
+                "is_stream_equal": streamed == (content, calls),
                 "calls": calls,
                 "content": content,
             })  # fmt: skip
