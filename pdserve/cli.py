@@ -8,15 +8,16 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from pdserve.cli_common import UNSERVABLE, add_model_args, run_async, setup_logging
+from pdserve.cli_common import (
+    TOOL_PARSER_CHOICES,
+    UNSERVABLE,
+    add_model_args,
+    run_async,
+    setup_logging,
+)
 from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
-
-# pdserve.api.tool_parsers.CHOICES, spelled out so the CLI does not import the HTTP layer
-# (tests/api/tool_parsers/test_registry.py holds the two equal).
-TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml",
-                       "pythonic")  # fmt: skip
 
 if TYPE_CHECKING:
     from pdserve.server import Server

@@ -146,3 +146,10 @@ def test_counts_whose_ports_collide_are_refused(tmp_path, capsys) -> None:
     argv = ["--model", str(tmp_path), "--num-prefill", "2", "--router-port", "30011"]
     assert launcher.main(argv) == 2
     assert "share a port" in capsys.readouterr().err
+
+
+def test_up_hands_its_tool_call_parser_to_the_workers(tmp_path) -> None:
+    argv = ["--model", str(tmp_path), "--tool-call-parser", "qwen3_coder"]
+    cfg = cluster_config_from_args(parse_args(argv))
+    worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
+    assert worker.tool_call_parser == "qwen3_coder"

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.api.tool_parsers import CHOICES, PARSERS, make_parser, resolve_parser
 from pdserve.api.tool_parsers.forced import NamedParser, RequiredParser
-from pdserve.cli import TOOL_PARSER_CHOICES
+from pdserve.cli_common import TOOL_PARSER_CHOICES
 from pdserve.model.demo import CHAT_TEMPLATE
 
 from .test_recorded_outputs import tool_config
