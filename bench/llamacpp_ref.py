@@ -234,6 +234,7 @@ class LlamaServer(ReferenceServer):
     context_len: int = 8192  # -c: shared by the slots (1024 tokens each)
     num_threads: int = 2
     prompt_caching: bool = False
+    jinja: bool = False  # --jinja: the model's own chat template, which tool calls need
     log_path: Path = field(
         default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-llamacpp-")) / "server.log"
     )
@@ -252,6 +253,7 @@ class LlamaServer(ReferenceServer):
             "-t", str(self.num_threads), "--host", "127.0.0.1", "--port", str(self.port),
             "--alias", self.served_model_name, "--no-webui",
         ]  # fmt: skip
+        argv += ["--jinja"] if self.jinja else []
         # Off: neither the slot's own prompt reuse nor the host-memory prompt cache.
         return argv + ([] if self.prompt_caching else ["--no-cache-prompt", "--cache-ram", "0"])
 

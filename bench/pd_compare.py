@@ -353,6 +353,7 @@ def secure_lines(rows: list[dict]) -> list[str]:
             verdict = "within" if ratio >= SECURE_GOAL else "NOT within"
             lines.append(f"{config} c{conc}: pd_secure (API key + TLS) / pd throughput, same run: "
                          f"{ratio:.3f} ({verdict} {1 - SECURE_GOAL:.0%} of off)")  # fmt: skip
+    return lines
 
 
 def feature_lines(rows: list[dict]) -> list[str]:

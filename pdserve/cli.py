@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pdserve.cli_common import (
+    TOOL_PARSER_CHOICES,
     UNSERVABLE,
     DeprecatedAlias,
     add_model_args,
@@ -74,6 +75,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--sse-keepalive-s", type=float, default=15.0, metavar="S",
         help="a stream waiting this long for its first token gets a ': keep-alive' SSE comment, "
         "then one every S seconds until it (0: off); a router sends its own and asks for none",
+    )  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+        help="how tool calls are read from the model's text (vLLM's names); auto: the format the "
+        "chat template shows (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, ...)",
     )  # fmt: skip
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")

@@ -155,3 +155,9 @@ def served_model_name(given: str | None, model_dir: str) -> str:
     from pdserve.model.checkpoint import default_served_name
 
     return given or default_served_name(model_dir)
+
+
+# pdserve.api.tool_parsers.CHOICES, spelled out so the CLIs (serve, up) do not import the HTTP
+# layer (tests/api/tool_parsers/test_registry.py holds the two equal).
+TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml",
+                       "pythonic")  # fmt: skip

@@ -110,6 +110,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             sse_keepalive_s=args.sse_keepalive_s,
             json_allow_extra_keys=args.json_schema_extra_keys,
             reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
         ),
         host=args.host,
         port=port,

@@ -19,7 +19,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from pdserve.cli_common import add_model_args, resolve_model_dir, served_model_name
+from pdserve.cli_common import (
+    TOOL_PARSER_CHOICES,
+    add_model_args,
+    resolve_model_dir,
+    served_model_name,
+)
 from pdserve.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     add_device_args,
@@ -277,6 +282,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "answer only on loopback, where the cluster listens",
     )  # fmt: skip
     p.add_argument(
+        "--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+        help="the workers' --tool-call-parser (auto: from the chat template)",
+    )  # fmt: skip
+    p.add_argument(
         "--drain-timeout", type=float, default=30.0,
         help="on SIGTERM/Ctrl-C every child drains this long (requests in flight finish) "
         "before it is killed",
@@ -302,6 +311,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
            "--scheduling-policy", args.scheduling_policy]  # fmt: skip
     out += [] if args.chunked_prefill else ["--no-chunked-prefill"]
     out += [] if args.prefix_caching else ["--no-prefix-caching"]
+    if args.tool_call_parser != "auto":
+        out += ["--tool-call-parser", args.tool_call_parser]
     optional = {
         "--kv-cache-mb": args.kv_cache_mb,  # None: each worker sizes its own (CPU or CUDA)
         "--num-gpu-blocks": args.num_gpu_blocks,

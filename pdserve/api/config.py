@@ -46,3 +46,6 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if self.sse_keepalive_s < 0:
             raise ValueError(f"sse_keepalive_s must be >= 0 (0: off), got {self.sse_keepalive_s}")
+
+    # --tool-call-parser: a name of pdserve.api.tool_parsers.CHOICES ("auto": from the template).
+    tool_call_parser: str = "auto"
