@@ -9,7 +9,8 @@ import time
 
 from bench.tls_certs import make_certs
 from pdserve.cli import add_serve_args
-from pdserve.launcher import Child, child_specs, cluster_config_from_args, parse_args, stop_cluster
+from pdserve.launcher import Child, child_specs, stop_cluster
+from pdserve.launcher_args import cluster_config_from_args, parse_args
 
 
 def _serve_parse(argv: list[str]):
