@@ -17,7 +17,7 @@ from tests.real_models import QWEN_05B, real_model
 PROMPT = "def fibonacci(n):"
 # Float32 activations, weights and KV on both sides: what differs is the order of the float32
 # sums (the packed kernel's fma chains against torch's GEMMs) through 24 layers.
-ATOL, RTOL = 2e-3, 1e-4
+ATOL, RTOL = 2e-4, 1e-4  # measured: 1e-5 at most
 
 
 @pytest.fixture(scope="module")
