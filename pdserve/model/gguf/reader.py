@@ -40,6 +40,12 @@ class FastGGUFReader(GGUFReader):
     arrays: dict[str, list[Any]]
 
     def _build_fields(self, offs: int, count: int) -> int:
+        try:
+            return self._read_fields(offs, count)
+        except struct.error as e:  # a truncated file: what GGUFFile reports as unreadable
+            raise ValueError(f"metadata runs past the end of the file ({e})") from None
+
+    def _read_fields(self, offs: int, count: int) -> int:
         self.arrays = {}
         order = "<" if self.byte_order == "I" else ">"  # "I": the host's (little-endian) order
         buf = memoryview(self.data)  # type: ignore[arg-type]
@@ -74,6 +80,7 @@ def _array(
         unpack = struct.Struct(order + "Q").unpack_from
         for _ in range(length):
             (n,) = unpack(buf, offs)
+            _check_within(buf, offs + 8 + n)
             values.append(str(buf[offs + 8 : offs + 8 + n], encoding="utf-8"))
             offs += 8 + n
         return values, offs
@@ -82,4 +89,10 @@ def _array(
         raise ValueError(f"GGUF metadata arrays of {item_type.name} are not supported")
     np_dtype = np.dtype(dtype).newbyteorder(order)
     end = offs + np_dtype.itemsize * length
+    _check_within(buf, end)
     return np.frombuffer(buf[offs:end], dtype=np_dtype).tolist(), end
+
+
+def _check_within(buf: memoryview, end: int) -> None:
+    if end > len(buf):
+        raise ValueError(f"a metadata value ends at byte {end}, past the file's {len(buf)}")

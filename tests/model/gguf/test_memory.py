@@ -132,3 +132,15 @@ def test_the_fast_reader_reads_every_value_and_tensor_gguf_s_reader_reads(
             assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
     wanted = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores"}
     assert wanted <= array_keys  # strings, and numbers, read the fast way
+
+
+def test_a_file_cut_inside_its_vocabulary_is_refused_as_unreadable(
+    demo_f32_gguf: Path, tmp_path: Path
+) -> None:
+    from pdserve.model.config import ModelDirError
+
+    raw = demo_f32_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[: raw.index(b"tokenizer.ggml.merges") + 200])  # mid-array
+    with pytest.raises(ModelDirError, match="not a readable GGUF file"):
+        load_model_config(cut)
