@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pdserve.envs import child_env
 from pdserve.launcher_args import ClusterConfig, cluster_config_from_args, parse_args
 from pdserve.lifetime import parent_death_preexec
-from pdserve.model.checkpoint import load_model_config
+from pdserve.model.checkpoint import check_model_config
 from pdserve.model.config import ModelDirError
 from pdserve.tls import TLSConfig
 
@@ -191,7 +191,7 @@ def handle_stop_signals() -> None:
 def main(argv: list[str]) -> int:
     try:  # refuse a model the workers cannot serve before starting any of them
         cfg = cluster_config_from_args(parse_args(argv))
-        load_model_config(cfg.model_dir)
+        check_model_config(cfg.model_dir)
     except (ModelDirError, ValueError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
