@@ -134,8 +134,8 @@ LOWER = {
     "sequence", "thread_tuning", "tls", "transport", "types",
 }  # fmt: skip
 SERVING = {
-    "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher", "launcher_args", "llm",
-    "metrics", "registration", "router", "server",
+    "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher",
+    "launcher_args", "llm", "metrics", "registration", "router", "server",
 }  # fmt: skip
 WORKER = {"api", "engine", "llm", "registration", "server"}  # never the router's code
 
