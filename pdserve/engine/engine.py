@@ -37,6 +37,7 @@ from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY
 from pdserve.model_runner import ModelRunner
 from pdserve.reasoning.gate import grammar_sees
+from pdserve.spec.build import build_speculator
 from pdserve.thread_tuning import should_calibrate
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,10 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._frees = PageFrees(self.allocator, self._on_pages_freed)
         self.steps = StepOutputs(runner, self.scheduler, self)  # runs and commits each step
+        if config.speculative is not None:
+            self.steps.speculator = build_speculator(
+                config.speculative, runner, self.allocator, self.info.max_model_len
+            )
         self._ready = False
         self._idle = asyncio.Event()  # set while no request is admitted (a drain waits on it)
         self._idle.set()

@@ -1,0 +1,21 @@
+"""The speculator an engine's configuration asks for."""
+
+from __future__ import annotations
+
+from pdserve.kernels.kv_cache import PageAllocator
+from pdserve.model_runner import ModelRunner
+from pdserve.spec.config import SpeculativeConfig
+from pdserve.spec.proposer import NgramProposer, Proposer
+from pdserve.spec.speculator import Speculator
+
+
+def build_speculator(
+    config: SpeculativeConfig, runner: ModelRunner, allocator: PageAllocator, max_model_len: int
+) -> Speculator:
+    proposer: Proposer
+    if config.method == "ngram":
+        proposer = NgramProposer(config)
+    else:
+        raise NotImplementedError("draft-model speculation is not built yet")
+    page_size = runner.kv_config.page_size
+    return Speculator(config, proposer, allocator, page_size, max_model_len)
