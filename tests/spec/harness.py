@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
@@ -16,6 +17,9 @@ from pdserve.spec.config import SpeculativeConfig
 from pdserve.spec.stats import SpecStats
 from tests.engine.test_engine import assert_idle
 
+# A request: its prompt, its sampling and, for a structured output, what makes its matcher.
+Req = tuple[list[int], SamplingParams] | tuple[list[int], SamplingParams, Callable[[], object]]
+
 
 @dataclass(frozen=True)
 class Seen:
@@ -26,6 +30,16 @@ class Seen:
     text: str
     finish: str | None
     num_generated: int
+
+
+def both(
+    runner: ModelRunner, requests: Sequence[Req], spec: SpeculativeConfig, **kw: object
+) -> tuple[list[Seen], list[Seen], SpecStats]:
+    """What clients see without and with ``spec``, and the speculation's counters."""
+    plain, _ = asyncio.run(run_engine(runner, requests, None, **kw))  # type: ignore[arg-type]
+    seen, stats = asyncio.run(run_engine(runner, requests, spec, **kw))  # type: ignore[arg-type]
+    assert stats is not None
+    return plain, seen, stats
 
 
 def greedy(n: int, **kw: object) -> SamplingParams:
@@ -40,7 +54,7 @@ def seeded(n: int, seed: int, **kw: object) -> SamplingParams:
 
 async def run_engine(
     runner: ModelRunner,
-    requests: Sequence[tuple[list[int], SamplingParams]],
+    requests: Sequence[Req],
     spec: SpeculativeConfig | None,
     *,
     budget: int = 2048,
@@ -57,15 +71,18 @@ async def run_engine(
             req = GenerateRequest(f"warm{i}", ids, SamplingParams(max_tokens=2, temperature=0))
             _ = [o async for o in engine.generate(req)]
 
-        async def one(i: int, ids: list[int], sp: SamplingParams) -> Seen:
-            outs = [o async for o in engine.generate(GenerateRequest(f"r{i}", ids, sp))]
+        async def one(i: int, ids: list[int], sp: SamplingParams, *grammar: Callable) -> Seen:
+            req = GenerateRequest(f"r{i}", list(ids), copy.deepcopy(sp))
+            if grammar:
+                req.grammar = grammar[0]()
+            outs = [o async for o in engine.generate(req)]
             lps = [lp for o in outs for lp in (o.logprobs or [])]
             ids_out = tuple(t for o in outs for t in o.token_ids)
             toks = tuple((lp.token_id, lp.logprob, lp.top) for lp in lps)
             return Seen(toks, ids_out, "".join(o.text for o in outs), outs[-1].finish_reason,
                         outs[-1].num_generated_tokens)  # fmt: skip
 
-        seen = await asyncio.gather(*(one(i, ids, sp) for i, (ids, sp) in enumerate(requests)))
+        seen = await asyncio.gather(*(one(i, *r) for i, r in enumerate(requests)))
         await assert_idle(engine)
         spec_obj = engine.steps.speculator
         return list(seen), spec_obj.stats if spec_obj is not None else None

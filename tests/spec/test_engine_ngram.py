@@ -4,13 +4,12 @@ greedy and seeded, alone and among batch mates, across chunked prefill and cache
 from __future__ import annotations
 
 import asyncio
-import copy
 
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 from pdserve.spec.config import SpeculativeConfig
 
-from .harness import greedy, run_engine, seeded
+from .harness import both, greedy, run_engine, seeded
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1,
                           prompt_lookup_max=3, disable_batch_size=8)  # fmt: skip
@@ -22,16 +21,9 @@ def prompts(runner: ModelRunner) -> list[list[int]]:
     return [tok.encode(CODE * 3), tok.encode("class Page:\n    pass\n" * 4), tok.encode(CODE)]
 
 
-def both(runner, requests, **kw):
-
-    plain, _ = asyncio.run(run_engine(runner, copy.deepcopy(requests), None, **kw))
-    spec, stats = asyncio.run(run_engine(runner, copy.deepcopy(requests), NGRAM, **kw))
-    return plain, spec, stats
-
-
 def test_greedy_alone_is_the_plain_stream(target: ModelRunner) -> None:
     for ids in prompts(target):
-        plain, spec, stats = both(target, [(ids, greedy(24, ignore_eos=True))])
+        plain, spec, stats = both(target, [(ids, greedy(24, ignore_eos=True))], NGRAM)
         assert spec == plain
         assert stats is not None and stats.verify_steps > 0
     assert stats.accepted_tokens > 0  # the repeating prompts are found again
@@ -48,7 +40,7 @@ def test_seeded_alone_is_the_plain_stream(target: ModelRunner) -> None:
     for seed, ids in enumerate(prompts(target)):
         for bias in ({}, biased(ids)):
             sp = seeded(24, seed, ignore_eos=True, logit_bias=bias)
-            plain, spec, stats = both(target, [(ids, sp)])
+            plain, spec, stats = both(target, [(ids, sp)], NGRAM)
             assert spec == plain
             assert stats is not None
             drafted, accepted = drafted + stats.draft_tokens, accepted + stats.accepted_tokens
@@ -67,10 +59,8 @@ def test_among_seven_batch_mates_chunked_and_cached(target: ModelRunner) -> None
             else seeded(20, i, ignore_eos=True, logit_bias=bias)
         )
         reqs.append((ids, sp))
-    plain, _ = asyncio.run(run_engine(target, copy.deepcopy(reqs), None))
+    plain, _ = asyncio.run(run_engine(target, reqs, None))
     for budget, warm in ((2048, ()), (7, ()), (2048, ps)):
-        spec, stats = asyncio.run(
-            run_engine(target, copy.deepcopy(reqs), NGRAM, budget=budget, warm=warm)
-        )
+        spec, stats = asyncio.run(run_engine(target, reqs, NGRAM, budget=budget, warm=warm))
         assert spec == plain, f"budget {budget}, warm {bool(warm)}"
         assert stats is not None and stats.verify_steps > 0
