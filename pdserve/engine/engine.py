@@ -82,7 +82,7 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._frees = PageFrees(self.allocator, self._on_pages_freed)
         self.steps = StepOutputs(runner, self.scheduler, self)  # runs and commits each step
-        if config.speculative is not None:
+        if config.speculative is not None and config.role != "prefill":
             self.steps.speculator = build_speculator(
                 config.speculative, runner, self.allocator, self.info.max_model_len
             )
