@@ -5,6 +5,7 @@ from __future__ import annotations
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model_runner import ModelRunner
 from pdserve.spec.config import SpeculativeConfig
+from pdserve.spec.draft import DraftProposer
 from pdserve.spec.proposer import NgramProposer, Proposer
 from pdserve.spec.speculator import Speculator
 
@@ -16,6 +17,6 @@ def build_speculator(
     if config.method == "ngram":
         proposer = NgramProposer(config)
     else:
-        raise NotImplementedError("draft-model speculation is not built yet")
+        proposer = DraftProposer(config, runner)
     page_size = runner.kv_config.page_size
     return Speculator(config, proposer, allocator, page_size, max_model_len)

@@ -61,6 +61,8 @@ class Speculator:
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.stats = SpecStats(config.num_speculative_tokens)
+        # Runner thread: requests the proposer may hold state for (released once they end).
+        self._live: dict[str, Request] = {}
 
     def _room(self, req: Request, k: int) -> int:
         """Drafts ``req`` may verify now: within its pages, ``max_tokens`` and the window."""
@@ -78,6 +80,10 @@ class Speculator:
     # ---- runner thread ---------------------------------------------------------------------
     def run(self, runner: ModelRunner, decode: list[Request]) -> VerifyOutput | None:
         """The verify step for ``decode``, or None for a plain decode step (nothing drafted)."""
+        for seq_id, req in list(self._live.items()):  # what the proposer holds for ended ones
+            if req.is_finished:
+                del self._live[seq_id]
+                self.proposer.release(seq_id)
         if not self.wants(len(decode)):
             return None
         k = self.config.num_speculative_tokens
@@ -85,6 +91,7 @@ class Speculator:
         if not any(ks):
             return None
         seqs = [r.seq for r in decode]
+        self._live.update((r.seq.seq_id, r) for r, k in zip(decode, ks, strict=True) if k)
         drafts = self.proposer.propose(seqs, ks)
         if not any(drafts):
             return None
