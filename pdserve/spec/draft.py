@@ -133,7 +133,7 @@ class DraftProposer:
         # One forward catches every draft sequence up (its uncached tokens, at least the last)
         # and samples each first draft; then one decode step per further draft.
         first = runner.prefill([st.seq for _, st, _ in live]).token_ids
-        for (i, st, _), tok in zip(live, first, strict=True):
+        for (i, _st, _), tok in zip(live, first, strict=True):
             out[i].append(tok)
         step = 1
         while True:
