@@ -71,8 +71,9 @@ def prompts(workload: str, n: int, edit_chars: int) -> list[str]:
 def method_args(method: str, args: argparse.Namespace) -> list[str]:
     k = ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     if method == "ngram":
-        return ["--speculative-method", "ngram", *k, "--prompt-lookup-min",
-                str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max)]  # fmt: skip
+        lookup = ["--prompt-lookup-min", str(args.prompt_lookup_min),
+                  "--prompt-lookup-max", str(args.prompt_lookup_max)]  # fmt: skip
+        return ["--speculative-method", "ngram", *k, *lookup]
     if method == "draft":
         return ["--speculative-model", str(args.draft), *k]
     return []

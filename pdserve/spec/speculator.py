@@ -9,9 +9,10 @@ length end or a stop string inside the run ends the stream where the plain strea
 fits the request's pages to its length plus the next step's drafts: pages past that are freed,
 the next step's are taken from free pages only (never evicting a cached prefix).
 
-Requests that never draft: structured outputs (their matcher would have to be advanced through
-the drafts and rolled back for each verify row's mask) and reasoning requests (the thinking
-gate changes their logits per token); they still ride in the verify forward as one-row chunks.
+Structured outputs draft too: each verify row gets its grammar mask from the matcher advanced
+through the drafts and rolled back (pdserve.spec.grammar_rows). Reasoning requests never draft
+(the thinking gate changes their logits and their grammar's wakening per token); they still
+ride in the verify forward as one-row chunks.
 A decode batch of more than ``disable_batch_size`` requests does not speculate.
 """
 
@@ -42,8 +43,7 @@ class RunCommitter(Protocol):
 
 
 def may_draft(req: Request) -> bool:
-    seq = req.seq
-    return seq.grammar is None and seq.reasoning is None
+    return req.seq.reasoning is None
 
 
 class Speculator:

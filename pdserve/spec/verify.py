@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pdserve.model_runner import ModelRunner, RunnerOutput
 from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
+from pdserve.spec.grammar_rows import FixedMask, draft_masks
 from pdserve.types import TokenLogprob
 
 
@@ -43,25 +44,34 @@ def accepted_length(drafts: list[int], targets: list[int]) -> int:
     return a
 
 
-def row_view(seq: Sequence, drafts: list[int]) -> Sequence:
+def row_view(seq: Sequence, drafts: list[int], mask: FixedMask | None = None) -> Sequence:
     """``seq`` as if ``drafts`` had been sampled: what the plain step at that position sees
-    (no grammar: a request with one never drafts)."""
-    return Sequence(
+    (``mask``: its grammar's mask there, pdserve.spec.grammar_rows)."""
+    view = Sequence(
         seq.seq_id, seq.token_ids + drafts, seq.num_prompt_tokens, seq.sampling, seq.page_ids,
         seq.num_cached_tokens,
     )  # fmt: skip
+    view.grammar = mask  # type: ignore[assignment]  # the sampler only asks it for its bitmask
+    return view
 
 
 def verify(runner: ModelRunner, seqs: list[Sequence], drafts: list[list[int]]) -> VerifyOutput:
     """One forward of every sequence's last token and its drafts (``drafts[i]`` may be empty:
     a plain row); the accepted runs. Pages for ``n + len(drafts[i])`` tokens must be held."""
     t0 = time.perf_counter()
+    masks: list[list[FixedMask]] = []
+    for i, (s, d) in enumerate(zip(seqs, drafts, strict=True)):
+        if s.grammar is not None and d:
+            drafts[i], m = draft_masks(s.grammar, d)
+            masks.append(m)
+        else:
+            masks.append([])
     chunks = [row_view(s, d) if d else s for s, d in zip(seqs, drafts, strict=True)]
     logits, kv_ready = runner.extend_logits(chunks)
     rows: list[Sequence] = []
-    for s, d in zip(seqs, drafts, strict=True):
+    for s, d, m in zip(seqs, drafts, masks, strict=True):
         rows.append(s)  # row 0 is the plain step itself (its grammar, if any, applies)
-        rows += [row_view(s, d[:j]) for j in range(1, len(d) + 1)]
+        rows += [row_view(s, d[:j], m[j - 1] if m else None) for j in range(1, len(d) + 1)]
     token_ids, logprobs = sample_step(logits, rows, runner.tokenizer.eos_token_ids, runner.device)
     out = VerifyOutput(token_ids=[], kv_ready=kv_ready, drafts=drafts)
     start = 0

@@ -77,3 +77,25 @@ def test_json_schema_request_among_drafting_ones(target: ModelRunner) -> None:
     plain, seen, stats = both(target, reqs, NGRAM)
     assert seen == plain
     assert stats.accepted_tokens > 0
+
+
+def test_json_schema_request_drafts_and_keeps_its_grammar(target: ModelRunner) -> None:
+    """A structured output drafts: each verify row is masked by its matcher advanced through
+    the drafts (then rolled back). A prompt holding the plain answer makes n-gram drafts of
+    it, so runs are accepted; greedy and seeded, the stream is the plain one."""
+    tok = target.tokenizer
+    compiler = GrammarCompiler(tok.backend.to_str(), tok.vocab_size, tok.eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}  # fmt: skip
+
+    def matcher() -> object:
+        return compiler.compile(GrammarSpec.json_schema(schema))
+
+    ids = repeating(target)
+    for sp in (greedy(40), seeded(40, 9)):
+        plain, _, _ = both(target, [(ids, sp, matcher)], NGRAM)
+        answer = list(plain[0].ids)
+        prompt = ids + answer[:-1] * 2  # the answer, twice, without its EOS
+        plain, seen, stats = both(target, [(prompt, sp, matcher)], NGRAM)
+        assert seen == plain
+        assert stats.accepted_tokens > 0
