@@ -101,7 +101,8 @@ class StepOutputs:
         elif dec is not None:
             self._apply_rows(batch.decode, dec.token_ids, dec.logprobs, None, None)
             if spec is not None:
-                spec.fit_pages(self, batch.decode)  # room for the next step's drafts
+                # Its time is what speculating must beat; and room for the next step's drafts.
+                spec.on_plain_step(self, batch.decode, sum(self.runner.stats.last_step.values()))
         if pre is None:
             return
         done: list[Request] = []

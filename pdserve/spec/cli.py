@@ -29,6 +29,11 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="a decode batch of more requests than this does not speculate (a K-row verify "
         "costs about K decode rows once a CPU step is compute-bound)",
     )  # fmt: skip
+    g.add_argument(
+        "--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+        help="speculate only at batch sizes where it measured faster than plain decode steps "
+        "(re-measured now and then); off: whenever there are drafts",
+    )  # fmt: skip
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -43,4 +48,5 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         prompt_lookup_max=args.prompt_lookup_max,
         draft_model=model,
         disable_batch_size=args.speculative_disable_batch_size,
+        adaptive=args.speculative_adaptive,
     )

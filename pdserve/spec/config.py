@@ -14,7 +14,8 @@ class SpeculativeConfig:
     most tokens drafted per request and step. ``prompt_lookup_min/max``: vLLM's n-gram sizes
     (the longest suffix n-gram between them found earlier in the request's tokens wins).
     ``disable_batch_size``: a decode batch of more requests than this verifies nothing (on a
-    CPU a K-row verify costs about K decode rows once the batch is compute-bound)."""
+    CPU a K-row verify costs about K decode rows once the batch is compute-bound). ``adaptive``:
+    below that, speculate only at batch sizes where it measured faster than plain steps."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -22,6 +23,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     draft_model: str | None = None
     disable_batch_size: int = 4
+    # Measure whether speculating pays per batch size and step aside where it does not
+    # (pdserve.spec.payoff); False: speculate whenever there are drafts.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

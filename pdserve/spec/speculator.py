@@ -18,12 +18,14 @@ A decode batch of more than ``disable_batch_size`` requests does not speculate.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Protocol
 
 from pdserve.engine.request import Request
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model_runner import ModelRunner
 from pdserve.spec.config import SpeculativeConfig
+from pdserve.spec.payoff import PayoffPolicy
 from pdserve.spec.proposer import Proposer
 from pdserve.spec.stats import SpecStats
 from pdserve.spec.verify import VerifyOutput, verify
@@ -63,6 +65,7 @@ class Speculator:
         self.stats = SpecStats(config.num_speculative_tokens)
         # Runner thread: requests the proposer may hold state for (released once they end).
         self._live: dict[str, Request] = {}
+        self.payoff = PayoffPolicy() if config.adaptive else None
 
     def _room(self, req: Request, k: int) -> int:
         """Drafts ``req`` may verify now: within its pages, ``max_tokens`` and the window."""
@@ -86,6 +89,9 @@ class Speculator:
                 self.proposer.release(seq_id)
         if not self.wants(len(decode)):
             return None
+        if self.payoff is not None and not self.payoff.should_speculate(len(decode)):
+            return None
+        t0 = time.perf_counter()
         k = self.config.num_speculative_tokens
         ks = [self._room(r, k) for r in decode]
         if not any(ks):
@@ -95,7 +101,9 @@ class Speculator:
         drafts = self.proposer.propose(seqs, ks)
         if not any(drafts):
             return None
-        return verify(runner, seqs, drafts)
+        out = verify(runner, seqs, drafts)
+        out.step_seconds = time.perf_counter() - t0  # drafting included
+        return out
 
     # ---- event loop ------------------------------------------------------------------------
     def commit(self, steps: RunCommitter, decode: list[Request], out: VerifyOutput) -> None:
@@ -109,6 +117,14 @@ class Speculator:
             if req.is_finished:
                 continue  # aborted while the step ran: its pages go with it
             steps.commit_run(req, run, lps)
+        if self.payoff is not None:
+            self.payoff.on_spec(len(decode), out.step_seconds, sum(map(len, out.runs)))
+        self.fit_pages(steps, decode)
+
+    def on_plain_step(self, steps: RunCommitter, decode: list[Request], seconds: float) -> None:
+        """A plain decode step of ``decode`` took ``seconds``: what speculating must beat."""
+        if self.payoff is not None:
+            self.payoff.on_plain(len(decode), seconds)
         self.fit_pages(steps, decode)
 
     def fit_pages(self, steps: RunCommitter, decode: list[Request]) -> None:

@@ -33,7 +33,8 @@ class VerifyOutput(RunnerOutput):
     runs: list[list[int]] = field(default_factory=list)
     run_logprobs: list[list[TokenLogprob | None] | None] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  # the verify forward and its sampling
+    step_seconds: float = 0.0  # the whole step, drafting included (set by the speculator)
 
 
 def accepted_length(drafts: list[int], targets: list[int]) -> int:

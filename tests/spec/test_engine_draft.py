@@ -19,14 +19,14 @@ from .test_engine_ngram import CODE, biased
 @pytest.fixture(scope="module")
 def draft_spec(draft_dir: Path) -> SpeculativeConfig:
     return SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=str(draft_dir),
-                             disable_batch_size=8)  # fmt: skip
+                             disable_batch_size=8, adaptive=False)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def self_spec(demo_dir: Path) -> SpeculativeConfig:
     """The target as its own draft: every draft is accepted (the longest runs)."""
     return SpeculativeConfig("draft", num_speculative_tokens=4, draft_model=str(demo_dir),
-                             disable_batch_size=8)  # fmt: skip
+                             disable_batch_size=8, adaptive=False)  # fmt: skip
 
 
 def test_greedy_and_seeded_alone(target: ModelRunner, draft_spec, self_spec) -> None:

@@ -12,7 +12,7 @@ from pdserve.spec.config import SpeculativeConfig
 from .harness import both, greedy, run_engine, seeded
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1,
-                          prompt_lookup_max=3, disable_batch_size=8)  # fmt: skip
+                          prompt_lookup_max=3, disable_batch_size=8, adaptive=False)  # fmt: skip
 CODE = "def main(argv):\n    return 0\n\nclass Page:\n    pass\n"
 
 

@@ -36,14 +36,22 @@ def requests(draw: st.DrawFn) -> list[tuple[list[int], int | None, int]]:
     k=st.integers(1, 5),
     method=st.sampled_from(["ngram", "draft", "self"]),
     budget=st.sampled_from([5, 2048]),
+    adaptive=st.booleans(),
 )
 def test_speculation_never_changes_a_stream(
-    target: ModelRunner, draft_dir: Path, demo_dir: Path, reqs, k: int, method: str, budget: int
+    target: ModelRunner,
+    draft_dir: Path,
+    demo_dir: Path,
+    reqs,
+    k: int,
+    method: str,
+    budget: int,
+    adaptive: bool,
 ) -> None:
     model = {"ngram": None, "draft": str(draft_dir), "self": str(demo_dir)}[method]
     spec = SpeculativeConfig(
         "ngram" if method == "ngram" else "draft", num_speculative_tokens=k, prompt_lookup_min=1,
-        prompt_lookup_max=3, draft_model=model, disable_batch_size=8,
+        prompt_lookup_max=3, draft_model=model, disable_batch_size=8, adaptive=adaptive,
     )  # fmt: skip
     tok = target.tokenizer
     batch = []
