@@ -1,9 +1,9 @@
 """Speculative decoding: output tok/s with and without it, acceptance, and bit-identity.
 
     python bench/spec_decode.py --workload codegen --methods plain,draft \\
-        --target ~/.cache/pdserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
-        --draft ~/.cache/pdserve/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-    python bench/spec_decode.py --workload edit --methods plain,ngram --target ...
+        --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --verify-cost
+    python bench/spec_decode.py --workload edit --methods plain,ngram \\
+        --target qwen2.5-coder-1.5b-instruct --output-len 256
     python bench/spec_decode.py --demo ...   # the demo pair (a random draft of another seed)
 
 For each method (``plain``: no speculation; ``ngram``: prompt lookup; ``draft``: the draft
@@ -55,6 +55,7 @@ EDITS = [
 ]
 SPEC_METRICS = ("verify_steps", "drafts", "draft_tokens", "accepted_tokens", "emitted_tokens",
                 "verify_seconds")  # fmt: skip
+PER_POS = "pdserve_spec_decode_accepted_tokens_per_pos_total{"
 
 
 def prompts(workload: str, n: int, edit_chars: int) -> list[str]:
@@ -126,6 +127,9 @@ async def scrape_spec(url: str) -> dict[str, float]:
         for name in SPEC_METRICS:
             if line.startswith(f"pdserve_spec_decode_{name}_total{{"):
                 out[name] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(PER_POS):
+            pos = line.split('position="', 1)[1].split('"', 1)[0]
+            out[f"accepted_at_{pos}"] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -214,7 +218,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.draft = str(write_demo_model(tmp / "draft", DemoShape(seed=7, num_layers=2)))
     if args.target is None or ("draft" in args.methods and args.draft is None):
         p.error("--target (and --draft for the draft method) or --demo")
+    args.target, args.draft = model_path(args.target), model_path(args.draft)
     return args
+
+
+def model_path(given: str | None) -> str | None:
+    """A path as given; a name of pdserve's model table fetched (pinned hash) first."""
+    if given is None or Path(given).expanduser().exists():
+        return str(Path(given).expanduser()) if given else None
+    from pdserve.model.fetch import fetch_model
+
+    return str(fetch_model(name=given))
 
 
 def main(argv: list[str] | None = None) -> int:
