@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model_runner import ModelRunner
 from pdserve.spec.config import SpeculativeConfig
@@ -17,6 +19,8 @@ def build_speculator(
     if config.method == "ngram":
         proposer = NgramProposer(config)
     else:
+        if not Path(str(config.draft_model)).exists():
+            raise ValueError(f"speculative model {config.draft_model!r} does not exist")
         proposer = DraftProposer(config, runner)
     page_size = runner.kv_config.page_size
     return Speculator(config, proposer, allocator, page_size, max_model_len)

@@ -18,6 +18,7 @@ A decode batch of more than ``disable_batch_size`` requests does not speculate.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,6 +33,8 @@ from pdserve.spec.verify import VerifyOutput, verify
 
 if TYPE_CHECKING:
     from pdserve.types import TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 
 class RunCommitter(Protocol):
@@ -66,6 +69,7 @@ class Speculator:
         # Runner thread: requests the proposer may hold state for (released once they end).
         self._live: dict[str, Request] = {}
         self.payoff = PayoffPolicy() if config.adaptive else None
+        self.failed: str | None = None  # the proposer raised: plain steps from then on
 
     def _room(self, req: Request, k: int) -> int:
         """Drafts ``req`` may verify now: within its pages, ``max_tokens`` and the window."""
@@ -87,7 +91,7 @@ class Speculator:
             if req.is_finished:
                 del self._live[seq_id]
                 self.proposer.release(seq_id)
-        if not self.wants(len(decode)):
+        if self.failed is not None or not self.wants(len(decode)):
             return None
         if self.payoff is not None and not self.payoff.should_speculate(len(decode)):
             return None
@@ -98,7 +102,12 @@ class Speculator:
             return None
         seqs = [r.seq for r in decode]
         self._live.update((r.seq.seq_id, r) for r, k in zip(decode, ks, strict=True) if k)
-        drafts = self.proposer.propose(seqs, ks)
+        try:
+            drafts = self.proposer.propose(seqs, ks)
+        except Exception as e:  # a broken draft never fails a request: serve without it
+            logger.exception("speculation off: the proposer failed")
+            self.failed = f"{type(e).__name__}: {e}"
+            return None
         if not any(drafts):
             return None
         out = verify(runner, seqs, drafts)

@@ -74,3 +74,25 @@ def test_endings_inside_a_run(target: ModelRunner, self_spec) -> None:
         plain, seen, _ = both(target, [(ids, greedy(12, ignore_eos=True, stop=[stop]))],
                               self_spec)  # fmt: skip
         assert seen == plain
+
+
+def test_a_failing_draft_turns_speculation_off_not_the_requests(
+    target: ModelRunner, tmp_path: Path
+) -> None:
+    """A draft directory that is not a model: the first verify's load fails, speculation goes
+    off with its reason kept, and every request is served plain."""
+    (tmp_path / "config.json").write_text("{}")
+    spec = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=str(tmp_path),
+                             adaptive=False)  # fmt: skip
+    ids = target.tokenizer.encode(CODE)
+    plain, seen, stats = both(target, [(ids, greedy(8, ignore_eos=True))], spec)
+    assert seen == plain and stats.verify_steps == 0
+
+
+def test_a_missing_draft_model_is_refused_at_start(target: ModelRunner, tmp_path: Path) -> None:
+    from pdserve.kernels.kv_cache import PageAllocator
+    from pdserve.spec.build import build_speculator
+
+    spec = SpeculativeConfig("draft", draft_model=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="does not exist"):
+        build_speculator(spec, target, PageAllocator(8), 64)
