@@ -99,3 +99,19 @@ def test_json_schema_request_drafts_and_keeps_its_grammar(target: ModelRunner) -
         plain, seen, stats = both(target, [(prompt, sp, matcher)], NGRAM)
         assert seen == plain
         assert stats.accepted_tokens > 0
+
+
+def test_penalties_top_k_and_min_p_see_the_drafts_as_output(target: ModelRunner) -> None:
+    """Each verify row's penalties count the drafts before it as generated tokens, as the plain
+    step there would (its history is those tokens); top-k, min-p and logit bias per row too."""
+    ids = repeating(target)
+    bias = biased(ids)
+    reqs = [
+        (ids, greedy(20, ignore_eos=True, repetition_penalty=1.3, logit_bias=bias)),
+        (ids, seeded(20, 1, ignore_eos=True, frequency_penalty=0.7, presence_penalty=0.4,
+                     logit_bias=bias)),
+        (ids, seeded(20, 2, ignore_eos=True, top_k=5, min_p=0.05, logit_bias=bias)),
+    ]  # fmt: skip
+    plain, seen, stats = both(target, reqs, NGRAM)
+    assert seen == plain
+    assert stats.draft_tokens > 0
