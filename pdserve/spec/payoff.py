@@ -3,9 +3,10 @@
 Per decode-batch size the policy keeps two throughputs, each an exponential average of steps
 actually run: plain decode steps (rows / step time) and speculative steps (tokens emitted /
 the time of drafting and verifying). A batch size speculates while its speculative throughput
-is at least the plain one; once it is not, it runs plain steps and re-measures with one
-speculative step every ``PROBE_EVERY`` steps (the acceptance of the running requests changes).
-A batch size with no plain measurement yet runs one plain step first.
+is at least the plain one; once it is not, it runs plain steps. Either way one step in
+``PROBE_EVERY`` runs the other kind, so both averages stay current (the acceptance of the
+running requests changes, and a first plain step may have been a cold one). A batch size with
+no plain measurement yet runs one plain step first.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ class PayoffPolicy:
         if plain is None:
             return False  # measure the plain step first
         spec = self.spec_tok_s.get(num_rows)
-        if spec is None or spec >= plain:
-            return True
+        pays = spec is None or spec >= plain
         n = self._since_probe.get(num_rows, 0) + 1
         self._since_probe[num_rows] = n
         if n >= PROBE_EVERY:
             self._since_probe[num_rows] = 0
-            return True
-        return False
+            return not pays  # the other kind, to re-measure it
+        return pays
 
     def on_plain(self, num_rows: int, seconds: float) -> None:
         if seconds > 0:
