@@ -16,6 +16,11 @@ speculation counters from the worker's /metrics, and (``--verify-cost``) the tim
 verify forward against a 1-row decode step of each model, measured in this process.
 Workloads: ``codegen`` (chat prompts asking for functions), ``edit`` (a ~1k-token source file
 to rewrite with a small change: most of the answer is in the prompt).
+With ``--llama-server PATH`` (a built ``llama-server``, bench/llamacpp_ref.py) and GGUF files,
+methods ``llamacpp`` (no speculation), ``llamacpp-draft`` (``--spec-type draft-simple
+--model-draft``) and ``llamacpp-ngram`` (``--spec-type ngram-simple``) serve the same files under
+the same client; their outputs are not pdserve's (another numerics), so they are left out of
+the identity check, and their rows give the ratio of pdserve's same method to them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cluster import free_port  # noqa: E402
+from bench.llamacpp_ref import LlamaServer  # noqa: E402
 from bench.reuse_compare import colocated  # noqa: E402
 from pdserve.model.demo import DemoShape, write_demo_model  # noqa: E402
 
@@ -133,7 +140,26 @@ async def scrape_spec(url: str) -> dict[str, float]:
     return out
 
 
+LLAMACPP = {"llamacpp": None, "llamacpp-draft": "draft-simple", "llamacpp-ngram": "ngram-simple"}
+
+
+def llama_server(method: str, args: argparse.Namespace) -> LlamaServer:
+    spec_type = LLAMACPP[method]
+    return LlamaServer(
+        Path(args.llama_server), Path(args.target), free_port(), num_slots=max(args.concurrency),
+        context_len=4096 * max(args.concurrency),  # per slot: a ~1k-token file and its rewrite
+        num_threads=args.llamacpp_threads, spec_type=spec_type,
+        model_draft=Path(args.draft) if spec_type == "draft-simple" else None,
+        draft_max=args.num_speculative_tokens if spec_type else None,
+    )  # fmt: skip
+
+
 async def bench_method(method: str, args: argparse.Namespace, ps: list[str]) -> dict[str, Any]:
+    if method in LLAMACPP:
+        async with llama_server(method, args) as server:
+            levels = {c: await run_level(server.url, ps, c, args.output_len)
+                      for c in args.concurrency}  # fmt: skip
+        return {"levels": levels, "spec": {}}
     worker = [*args.worker_args.split(), *method_args(method, args)]
     async with colocated(Path(args.target), worker) as proc:
         levels = {c: await run_level(proc.url, ps, c, args.output_len) for c in args.concurrency}
@@ -178,7 +204,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"workload": args.workload, "methods": {}, "identical": True}
     for method, r in results.items():
         row: dict[str, Any] = {"spec": r["spec"]}
+        ours = {"llamacpp": "plain", "llamacpp-draft": "draft", "llamacpp-ngram": "ngram"}
         for c, lv in r["levels"].items():
+            if method in ours:  # another engine's numerics: pdserve's same method over it
+                mine = results.get(ours[method])
+                row[f"c{c}"] = {"tok_s": round(lv["tok_s"], 2), "pdserve_over_it": round(
+                    mine["levels"][c]["tok_s"] / lv["tok_s"], 3) if mine else None}  # fmt: skip
+                continue
             same = plain is None or lv["outputs"] == plain["levels"][c]["outputs"]
             out["identical"] = out["identical"] and same
             base = plain["levels"][c]["tok_s"] if plain else None
@@ -206,6 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-args", default="--kv-cache-mb 512")
     p.add_argument("--verify-cost", action="store_true", help="time K+1-row verify vs 1 row")
     p.add_argument("--verify-context", type=int, default=512)
+    p.add_argument("--llama-server", default=None, help="llama-server binary (llamacpp methods)")
+    p.add_argument("--llamacpp-threads", type=int, default=2)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -216,8 +250,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         tmp = Path(tempfile.mkdtemp(prefix="pdserve-spec-bench-"))
         args.target = str(write_demo_model(tmp / "target"))
         args.draft = str(write_demo_model(tmp / "draft", DemoShape(seed=7, num_layers=2)))
-    if args.target is None or ("draft" in args.methods and args.draft is None):
-        p.error("--target (and --draft for the draft method) or --demo")
+    drafting = {"draft", "llamacpp-draft"} & set(args.methods)
+    if args.target is None or (drafting and args.draft is None):
+        p.error("--target (and --draft for the draft methods) or --demo")
+    if set(LLAMACPP) & set(args.methods) and not args.llama_server:
+        p.error("the llamacpp methods need --llama-server")
     args.target, args.draft = model_path(args.target), model_path(args.draft)
     return args
 

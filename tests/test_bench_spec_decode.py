@@ -41,3 +41,27 @@ def test_outputs_that_differ_are_reported() -> None:
     }
     out = spec_decode.report(results, args)
     assert out["identical"] is False and out["methods"]["ngram"]["c1"]["vs_plain"] == 2.0
+
+
+def test_llamacpp_methods_serve_the_same_files_with_their_spec_types(tmp_path: Path) -> None:
+    args = spec_decode.parse_args([
+        "--target", str(tmp_path), "--draft", str(tmp_path), "--llama-server", "llama-server",
+        "--methods", "plain,llamacpp,llamacpp-draft,llamacpp-ngram", "--concurrency", "1,8",
+    ])  # fmt: skip
+    plain = spec_decode.llama_server("llamacpp", args).argv()
+    assert "--spec-type" not in plain and plain[plain.index("-np") + 1] == "8"
+    draft = spec_decode.llama_server("llamacpp-draft", args).argv()
+    assert draft[draft.index("--spec-type") + 1] == "draft-simple"
+    assert draft[draft.index("--model-draft") + 1] == str(tmp_path)
+    ngram = spec_decode.llama_server("llamacpp-ngram", args).argv()
+    assert ngram[ngram.index("--spec-type") + 1] == "ngram-simple" and "--model-draft" not in ngram
+
+
+def test_llamacpp_rows_are_compared_by_speed_not_identity() -> None:
+    lv = {"outputs": {"0:None": {"text": "a"}}, "tok_s": 4.0, "output_tokens": 1}
+    theirs = {"outputs": {"0:None": {"text": "other"}}, "tok_s": 2.0, "output_tokens": 1}
+    args = type("A", (), {"workload": "edit"})()
+    results = {"plain": {"levels": {1: lv}, "spec": {}},
+               "llamacpp": {"levels": {1: theirs}, "spec": {}}}  # fmt: skip
+    out = spec_decode.report(results, args)
+    assert out["identical"] is True and out["methods"]["llamacpp"]["c1"]["pdserve_over_it"] == 2.0
