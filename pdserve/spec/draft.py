@@ -1,17 +1,18 @@
 """Draft-model proposals: a small model of the same tokenizer drafts K tokens per request.
 
-The draft runs in the worker's runner thread with its own :class:`ModelRunner`, page pool and
-allocator (no prefix cache: a request's draft KV is its own). Each request's draft sequence
-follows the target's tokens: what the target accepted is already in the draft's KV (the
-draft computed those very tokens), what it rejected is dropped by lowering the draft's cached
-count to the common prefix (pages stay, their stale rows lie past the length). A request new to
-the draft (a new stream; on a PD decode worker, the prompt whose target KV came by transfer)
-is prefilled in the draft from its tokens: for a draft ~3x smaller than the target, a prompt
-costs a third of the target's prefill, on the decode worker, once.
+The draft runs in the worker's runner thread with its own :class:`ModelRunner`, page pool,
+allocator and prefix cache (a request's full pages are keyed when it ends, so a prompt seen
+before, a chat's earlier turns or a shared system prompt, is not prefilled in the draft again).
+Each request's draft sequence follows the target's tokens: what the target accepted is already
+in the draft's KV (the draft computed those very tokens), what it rejected is dropped by
+lowering the draft's cached count to the common prefix (pages stay, their stale rows lie past
+the length). A request new to the draft (a new stream; on a PD decode worker, the prompt whose
+target KV came by transfer) is prefilled in the draft from its tokens: for a draft ~3x smaller
+than the target, a prompt costs a third of the target's prefill, on the decode worker, once.
 
 The draft samples with the request's own parameters and seed, at the same positions: the same
-noise as the target's sampler (a shared random source), which is what makes a seeded draft
-agree with the target where their distributions are close. K adapts per request: the ceiling
+noise as the target's sampler (a shared random source), which is what makes a seeded draft agree
+with the target where their distributions are close. K adapts per request: the ceiling
 ``num_speculative_tokens``, lowered to its recent accepted run length plus one.
 """
 
@@ -21,6 +22,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.sequence import Sequence
@@ -38,6 +40,7 @@ class _DraftSeq:
     synced: int  # leading tokens known equal to the target's
     mean_accepted: float
     last_drafts: list[int]
+    page_keys: list[bytes]  # its prefix-cache keys (pdserve.engine.prefix_cache)
 
 
 class DraftProposer:
@@ -52,6 +55,7 @@ class DraftProposer:
         self._max_len = target.max_model_len
         self.runner = runner
         self.allocator: PageAllocator | None = None
+        self.cache: PrefixCache | None = None
         self._seqs: dict[str, _DraftSeq] = {}
 
     def _ensure_runner(self) -> ModelRunner:
@@ -68,6 +72,7 @@ class DraftProposer:
             logger.info("draft model %s loaded", self.config.draft_model)
         if self.allocator is None:
             self.allocator = PageAllocator(self.runner.kv_config.num_pages)
+            self.cache = PrefixCache(self.allocator, self.runner.kv_config.page_size)
         return self.runner
 
     @property
@@ -76,24 +81,35 @@ class DraftProposer:
 
     def release(self, seq_id: str) -> None:
         state = self._seqs.pop(seq_id, None)
-        if state is not None and self.allocator is not None:
+        if state is not None and self.allocator is not None and self.cache is not None:
+            # Its full pages below the cached count hold the KV of their keyed tokens.
+            self.cache.register(state.seq, state.page_keys)
             self.allocator.free(state.seq.page_ids)
 
     def _state(self, seq: Sequence, k: int) -> _DraftSeq | None:
         """The draft's sequence for ``seq``, in step with its tokens, with pages for ``k`` more."""
-        assert self.allocator is not None
+        assert self.allocator is not None and self.cache is not None
+        ps = self.cache.page_size
         st = self._seqs.get(seq.seq_id)
         if st is None:
             sp = dataclasses.replace(seq.sampling, logprobs=False, top_logprobs=0)
-            view = Sequence(seq.seq_id, [], seq.num_prompt_tokens, sp)
-            st = self._seqs[seq.seq_id] = _DraftSeq(view, 0, float(k), [])
-        else:  # how far its last drafts were accepted: the target's tokens after ``synced``
-            drafted, target = st.last_drafts, seq.token_ids
-            base = st.synced + 1  # the first draft stood for the token after the synced ones
-            a = 0
-            while a < len(drafted) and base + a < len(target) and target[base + a] == drafted[a]:
-                a += 1
-            st.mean_accepted = (1 - _EMA) * st.mean_accepted + _EMA * a
+            view = Sequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, sp)
+            keys: list[bytes] = []
+            hit = self.cache.lookup(view, keys)  # leaves one token at least to compute
+            missing = -(-(view.num_tokens + k) // ps) - len(hit)
+            if not self.cache.can_allocate_with(hit, missing):
+                return None
+            self.cache.acquire(view, hit)  # cached: the hit's tokens, never written again
+            view.page_ids.extend(self.allocator.allocate(missing))
+            st = self._seqs[seq.seq_id] = _DraftSeq(view, seq.num_tokens - 1, float(k), [], keys)
+            return st
+        # How far its last drafts were accepted: the target's tokens after ``synced``.
+        drafted, target = st.last_drafts, seq.token_ids
+        base = st.synced + 1  # the first draft stood for the token after the synced ones
+        a = 0
+        while a < len(drafted) and base + a < len(target) and target[base + a] == drafted[a]:
+            a += 1
+        st.mean_accepted = (1 - _EMA) * st.mean_accepted + _EMA * a
         d = st.seq
         common = min(st.synced, d.num_cached_tokens)
         while common < min(len(d.token_ids), len(seq.token_ids), d.num_cached_tokens) and (
@@ -103,10 +119,9 @@ class DraftProposer:
         d.token_ids = list(seq.token_ids)
         d.num_cached_tokens = min(d.num_cached_tokens, common, len(d.token_ids) - 1)
         st.synced = len(seq.token_ids) - 1
-        need = -(-(len(d.token_ids) + k) // self.runner.kv_config.page_size)  # type: ignore[union-attr]
-        missing = need - len(d.page_ids)
+        missing = -(-(len(d.token_ids) + k) // ps) - len(d.page_ids)
         if missing > 0:
-            if self.allocator.num_free < missing:
+            if not self.allocator.can_allocate(missing):
                 self.release(seq.seq_id)
                 return None
             d.page_ids.extend(self.allocator.allocate(missing))

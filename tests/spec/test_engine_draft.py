@@ -96,3 +96,36 @@ def test_a_missing_draft_model_is_refused_at_start(target: ModelRunner, tmp_path
     spec = SpeculativeConfig("draft", draft_model=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="does not exist"):
         build_speculator(spec, target, PageAllocator(8), 64)
+
+
+def test_the_draft_finds_an_ended_requests_prompt_in_its_prefix_cache(
+    target: ModelRunner, draft_spec
+) -> None:
+    """The same prompt twice, one after the other: the second's draft prefill starts after the
+    first's keyed pages, and both streams are the plain ones."""
+    import asyncio
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.protocol import GenerateRequest
+
+    ids = target.tokenizer.encode(CODE * 2)
+
+    async def go(spec: SpeculativeConfig | None) -> tuple[list[tuple[int, ...]], object]:
+        engine = Engine(EngineConfig(speculative=spec), target, incarnation="t")
+        await engine.start()
+        try:
+            outs = []
+            for i, sp in enumerate((greedy(12, ignore_eos=True), seeded(12, 1, ignore_eos=True))):
+                req = GenerateRequest(f"r{i}", list(ids), sp)
+                outs.append(tuple(t for o in [o async for o in engine.generate(req)]
+                                  for t in o.token_ids))  # fmt: skip
+            return outs, engine.steps.speculator
+        finally:
+            await engine.stop()
+
+    plain, _ = asyncio.run(go(None))
+    seen, speculator = asyncio.run(go(draft_spec))
+    assert seen == plain
+    cache = speculator.proposer.cache  # type: ignore[union-attr]
+    assert cache.stats.num_queries == 2 and cache.stats.hit_tokens > 0
