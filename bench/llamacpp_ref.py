@@ -238,6 +238,7 @@ class LlamaServer(ReferenceServer):
     spec_type: str | None = None
     model_draft: Path | None = None
     draft_max: int | None = None
+    jinja: bool = False  # --jinja: the model's own chat template, which tool calls need
     log_path: Path = field(
         default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-llamacpp-")) / "server.log"
     )
@@ -262,6 +263,7 @@ class LlamaServer(ReferenceServer):
             argv += ["--model-draft", str(self.model_draft)]
         if self.draft_max is not None:
             argv += ["--spec-draft-n-max", str(self.draft_max)]
+        argv += ["--jinja"] if self.jinja else []
         # Off: neither the slot's own prompt reuse nor the host-memory prompt cache.
         return argv + ([] if self.prompt_caching else ["--no-cache-prompt", "--cache-ram", "0"])
 

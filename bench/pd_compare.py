@@ -24,6 +24,11 @@ control plane locked (an API key on every process, TLS on every listener with a 
 run, the router calling its workers and the decode the prefill's bootstrap port over HTTPS), run
 right after ``pd`` under the same load; the report gives its throughput over ``pd``'s, same run
 (goal: at least 0.95).
+directory made from the shipped Q4_1 GGUF.
+With ``--features off,on`` pdserve's deployments run once per variant in the same run
+(``pd:off``, ``pd:on``, ...): ``off`` turns SSE keep-alive off and schedules fcfs, ``on`` sends
+keep-alives every ``--keepalive-s`` and schedules by priority, and each on / off throughput
+ratio is printed (issue 32's goal: within 3% at c8 on ``small``).
 """
 
 from __future__ import annotations
@@ -65,6 +70,17 @@ VLLM_ANCHOR_TOK_S = {("tiny", 1): "240-310", ("tiny", 8): "980-1220",
                      ("small", 1): "41-50", ("small", 8): "224-233"}  # fmt: skip
 LLAMACPP_PREFIX = "llamacpp-"  # + the GGUF's weight type: one deployment per file
 PERF_ARGS = ("--kv-cache-mb", "256", "--heartbeat-interval", "1.0")
+FEATURES = ("off", "on")  # --features: SSE keep-alive and priority scheduling off / on
+
+
+def feature_args(variant: str | None, keepalive_s: float) -> tuple[tuple[str, ...], ...]:
+    """(worker flags, router flags) of a --features variant; None: the servers' defaults."""
+    if variant is None:
+        return (), ()
+    period = "0" if variant == "off" else f"{keepalive_s:g}"
+    policy = "fcfs" if variant == "off" else "priority"
+    keepalive = ("--sse-keepalive-s", period)
+    return (*keepalive, "--scheduling-policy", policy), keepalive
 
 
 def checkpoint(name: str, root: Path, model_dir: str | None = None) -> Path:
@@ -110,13 +126,15 @@ async def serve_load(
 
 
 async def bench_pd(
-    model_dir: Path, args: argparse.Namespace, model: Path | None = None, is_secure: bool = False
-) -> dict[int, dict]:
+    model_dir: Path, args: argparse.Namespace, model: Path | None = None,
+    variant: str | None = None, is_secure: bool = False,
+) -> dict[int, dict]:  # fmt: skip
     """The PD cluster on ``model`` (default: ``model_dir``; a GGUF file of the same
-    checkpoint, say), loaded with ``model_dir``'s tokenizer; ``is_secure``: with an API key and
-    TLS everywhere (deployment pd_secure)."""
+    checkpoint, say), loaded with ``model_dir``'s tokenizer; ``variant``: of --features;
+    ``is_secure``: with an API key and TLS everywhere (deployment pd_secure)."""
+    workers, router = feature_args(variant, args.keepalive_s)
     spec = ClusterSpec(model_dir=str(model or model_dir), served_model_name="bench",
-                       worker_args=PERF_ARGS, router_args=())  # fmt: skip
+                       worker_args=PERF_ARGS + workers, router_args=router)  # fmt: skip
     if is_secure:
         from bench.tls_certs import make_certs
 
@@ -135,15 +153,17 @@ async def bench_pd(
 
 
 async def bench_colocated(
-    model_dir: Path, args: argparse.Namespace, model: Path | None = None
-) -> dict[int, dict]:
+    model_dir: Path, args: argparse.Namespace, model: Path | None = None,
+    variant: str | None = None,
+) -> dict[int, dict]:  # fmt: skip
     """One colocated worker on ``model`` (as bench_pd)."""
     port = free_port()
+    workers, _ = feature_args(variant, args.keepalive_s)
     log = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "colocated.log"
     proc = ManagedProc("colocated", "colocated",
                        ["serve", "--role", "colocated", "--model", str(model or model_dir),
                         "--port",
-                        str(port), "--served-model-name", "bench", *PERF_ARGS,
+                        str(port), "--served-model-name", "bench", *PERF_ARGS, *workers,
                         *_role_args(args.colocated_threads)],
                        f"http://127.0.0.1:{port}", log)  # fmt: skip
     async with aiohttp.ClientSession() as session:
@@ -230,8 +250,9 @@ def deployment_order(results: dict[str, dict[int, dict]]) -> list[str]:
     """pdserve's deployments, then the references (vLLM, transformers), then each GGUF file's
     pdserve deployments beside llama.cpp's."""
     per_file = [d for d in results if "-" in d]
-    ours = ("pd", "pd_secure", "colocated", "vllm", "transformers")
-    return [d for d in ours if d in results] + per_file
+    variants = [d for d in results if ":" in d]  # --features: pd:off, pd:on, ...
+    fixed = [d for d in ("pd", "pd_secure", "colocated", "vllm", "transformers") if d in results]
+    return fixed + variants + per_file
 
 
 def report(name: str, results: dict[str, dict[int, dict]], conc: list[int]) -> list[dict]:
@@ -270,12 +291,16 @@ async def run_all(args: argparse.Namespace) -> list[dict]:
         for name in args.configs:
             model_dir = checkpoint(name, Path(tmp), args.model_dir)
             results: dict[str, dict[int, dict]] = {}
-            if "pd" in args.deps:
-                results["pd"] = await bench_pd(model_dir, args)
-            if "pd_secure" in args.deps:
-                results["pd_secure"] = await bench_pd(model_dir, args, is_secure=True)
-            if "colocated" in args.deps:
-                results["colocated"] = await bench_colocated(model_dir, args)
+            for variant in args.feature_variants or [None]:  # one after the other, same run
+                suffix = "" if variant is None else f":{variant}"
+                if "pd" in args.deps:
+                    results["pd" + suffix] = await bench_pd(model_dir, args, variant=variant)
+                if "pd_secure" in args.deps and variant is None:
+                    results["pd_secure"] = await bench_pd(model_dir, args, is_secure=True)
+                if "colocated" in args.deps:
+                    results["colocated" + suffix] = await bench_colocated(
+                        model_dir, args, variant=variant
+                    )
             if args.vllm_python:
                 results["vllm"] = await bench_vllm(model_dir, args)
             if args.llamacpp:
@@ -331,6 +356,22 @@ def secure_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def feature_lines(rows: list[dict]) -> list[str]:
+    """--features: each deployment's on / off throughput and TTFT, per concurrency."""
+    by_key = {(r["config"], r["deployment"], r["concurrency"]): r for r in rows}
+    lines = []
+    for config, dep, conc in sorted(k for k in by_key if k[1].endswith(":on")):
+        on, off = by_key[(config, dep, conc)], by_key.get((config, dep[:-3] + ":off", conc))
+        if off is None or not off["tok_s"]:
+            continue
+        lines.append(
+            f"{config} c{conc}: {dep[:-3]} keep-alive+priority on / off throughput, same run: "
+            f"{on['tok_s'] / off['tok_s']:.3f}; TTFT p50 {on['ttft_p50_ms'] or 0:.1f} vs "
+            f"{off['ttft_p50_ms'] or 0:.1f} ms"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -370,7 +411,16 @@ def main(argv: list[str] | None = None) -> int:
         "--same-file", action=argparse.BooleanOptionalAction, default=True,
         help="with --llamacpp: pdserve's deployments serve each GGUF file too",
     )  # fmt: skip
+    p.add_argument(
+        "--features", default="", metavar="off,on",
+        help="run pdserve's deployments once per variant: off (no SSE keep-alive, fcfs) and/or "
+        "on (keep-alive every --keepalive-s, priority scheduling); default: the servers' own",
+    )  # fmt: skip
+    p.add_argument("--keepalive-s", type=float, default=15.0, help="--features on's period")
     args = p.parse_args(argv)
+    args.feature_variants = [v for v in args.features.split(",") if v]
+    if not set(args.feature_variants) <= set(FEATURES):
+        p.error(f"--features takes a comma list of {', '.join(FEATURES)}")
     args.deps = args.deployments.split(",")
     args.configs = args.config.split(",")
     args.conc = [int(c) for c in args.concurrency.split(",")]
@@ -393,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         vs = [r["x_vllm"] for r in rows if r["deployment"] == dep and r["x_vllm"]]
         if vs:
             print(f"{dep} / vLLM throughput, same run: " + ", ".join(f"{v:.2f}" for v in vs))
-    for line in ratio_lines(rows, LLAMACPP_PREFIX) + secure_lines(rows):
+    for line in ratio_lines(rows, LLAMACPP_PREFIX) + secure_lines(rows) + feature_lines(rows):
         print(line)
     return 1 if errors else 0
 

@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pdserve.cli_common import (
+    TOOL_PARSER_CHOICES,
     UNSERVABLE,
     DeprecatedAlias,
     add_model_args,
@@ -72,6 +73,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="split a thinking model's <think>...</think> block off its answer: "
         "reasoning_content in chat responses, grammars start after it (vLLM's names)",
     )  # fmt: skip
+    p.add_argument(
+        "--sse-keepalive-s", type=float, default=15.0, metavar="S",
+        help="a stream waiting this long for its first token gets a ': keep-alive' SSE comment, "
+        "then one every S seconds until it (0: off); a router sends its own and asks for none",
+    )  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+        help="how tool calls are read from the model's text (vLLM's names); auto: the format the "
+        "chat template shows (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, ...)",
+    )  # fmt: skip
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--kv-checksum", action="store_true", help="verify a checksum of KV pages")
     p.add_argument(
@@ -91,7 +102,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-bootstrap", type=float, default=30.0)
     g.add_argument("--timeout-waiting-for-input", type=float, default=60.0)
     g.add_argument("--timeout-transfer", type=float, default=30.0)
-    g.add_argument("--timeout-queue", type=float, default=60.0)
+    g.add_argument("--timeout-queue", type=float, default=60.0, help="waiting for a prefill slot")
+    g.add_argument(
+        "--timeout-prefill-progress", type=float, default=60.0,
+        help="prefilling: a prompt whose prefill makes no progress (no prefill step ends) for "
+        "this long fails; each step renews it, so a long prompt is never cut off while it moves",
+    )  # fmt: skip
     g.add_argument("--timeout-waiting-for-kv", type=float, default=120.0)
     g.add_argument(
         "--timeout-request", type=float, default=None,

@@ -74,6 +74,11 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
         help="keep full KV pages of finished and running prompts and reuse them for prompts "
         "with the same prefix (LRU-evicted when pages run out)",
     )  # fmt: skip
+    p.add_argument(
+        "--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+        help="fcfs: arrival order; priority: a request's 'priority' field, lower first (ties "
+        "by arrival), and a waiting request may preempt running ones of a lower priority",
+    )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--num-threads", type=int, default=None,
@@ -150,3 +155,9 @@ def served_model_name(given: str | None, model_dir: str) -> str:
     from pdserve.model.checkpoint import default_served_name
 
     return given or default_served_name(model_dir)
+
+
+# pdserve.api.tool_parsers.CHOICES, spelled out so the CLIs (serve, up) do not import the HTTP
+# layer (tests/api/tool_parsers/test_registry.py holds the two equal).
+TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml",
+                       "pythonic")  # fmt: skip

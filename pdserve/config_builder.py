@@ -51,6 +51,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill=args.chunked_prefill,
         prefix_caching=args.prefix_caching,
+        policy=args.scheduling_policy,
     )
 
 
@@ -69,6 +70,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         speculative=speculative_config_from_args(args),
         deadlines=RequestDeadlines(
             waiting_s=args.timeout_queue,
+            prefill_progress_s=args.timeout_prefill_progress,
             waiting_for_kv_s=args.timeout_waiting_for_kv,
             prefill_inflight_s=args.timeout_transfer + args.timeout_waiting_for_input,
             request_s=args.timeout_request,
@@ -107,8 +109,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             metrics_open=args.metrics_open,
             max_body_bytes=args.max_body_kb << 10,
             request_deadline_s=args.timeout_request,
+            sse_keepalive_s=args.sse_keepalive_s,
             json_allow_extra_keys=args.json_schema_extra_keys,
             reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
         ),
         host=args.host,
         port=port,

@@ -71,7 +71,14 @@ def bind_device(device: str | torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+# The CPU's spellings, answered without importing torch: the launcher checks its devices and
+# starts workers, and would hold torch's ~250 MB for nothing.
+_CPU_NAMES = ("cpu", "cpu:0")
+
+
 def is_cpu(device: str | torch.device) -> bool:
+    if isinstance(device, str) and device in _CPU_NAMES:
+        return True
     import torch
 
     return torch.device(device).type == "cpu"
@@ -80,6 +87,8 @@ def is_cpu(device: str | torch.device) -> bool:
 def same_physical_device(a: str, b: str) -> bool:
     """True when two device strings name one device (``cuda`` is the current one, ``cuda:0``
     in a fresh process unless CUDA_VISIBLE_DEVICES reorders them)."""
+    if a in _CPU_NAMES and b in _CPU_NAMES:
+        return True
     import torch
 
     da, db = torch.device(a), torch.device(b)
@@ -90,6 +99,8 @@ def same_physical_device(a: str, b: str) -> bool:
 
 def device_arg(value: str) -> str:
     """argparse ``type`` of a device flag: the checked device as a string."""
+    if value in _CPU_NAMES:
+        return "cpu"
     try:
         return str(check_device(value, "value"))
     except ValueError as e:  # argparse prefixes the flag's name: "argument --device: ..."

@@ -35,6 +35,10 @@ _BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 13))  # 4 KiB .. 16 
 # Engine request states -> the gauge names the operators' dashboards use.
 _QUEUE_GAUGES = {
     RequestState.WAITING: ("pdserve_waiting_requests", "Requests queued for prefill"),
+    RequestState.PREFILLING: (
+        "pdserve_prefilling_requests",
+        "Requests whose prompt is being prefilled (pages held, chunks computing)",
+    ),
     RequestState.RUNNING: ("pdserve_running_requests", "Requests in the decode batch"),
     RequestState.PREFILL_INFLIGHT: (
         "pdserve_prefill_inflight_requests",
@@ -240,6 +244,13 @@ def _prefix_cache_metrics(role: str, engine: Engine) -> Iterator[Metric]:
         c = CounterMetricFamily(name, doc, labels=["role"])
         c.add_metric([role], value)
         yield c
+    c = CounterMetricFamily(
+        "pdserve_preemptions", "Running requests preempted (their KV freed or kept cached, "
+        "recomputed later), by cause: out_of_pages or priority", labels=["role", "cause"],
+    )  # fmt: skip
+    for cause, n in engine.scheduler.stats.num_preemptions.items():
+        c.add_metric([role, cause], n)
+    yield c
 
 
 def _lease_metrics(role: str, st: LeaseStats) -> Iterator[Metric]:

@@ -42,6 +42,7 @@ from pdserve.model.checkpoint import (
     load_model_config,
     load_model_weights,
     load_tokenizer,
+    release_checkpoint_file,
 )
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtype import resolve_dtype, resolve_kv_cache_dtype
@@ -120,6 +121,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
         weights = load_model_weights(config.model_dir, mc, self.dtype, str(self.device))
         self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, str(self.device))
+        release_checkpoint_file(config.model_dir)
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from pdserve.api.app import build_app, start_http
 from pdserve.api.config import ApiConfig
@@ -92,6 +92,8 @@ class Server:
         self.config = config
         self.incarnation = uuid.uuid4().hex
         self.registry = CollectorRegistry()
+        # process_resident_memory_bytes and the other process_* series (Linux; nothing elsewhere)
+        ProcessCollector(registry=self.registry)
         self.engine: Engine | None = None
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None

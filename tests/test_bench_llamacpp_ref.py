@@ -254,7 +254,7 @@ async def test_pd_compare_serves_each_llamacpp_file_beside_pdserve(
     monkeypatch.setattr(pd_compare, "bench_llamacpp", fake_bench)
     args = argparse.Namespace(
         deps=[], configs=["smollm2"], conc=[1], model_dir=str(hf_dir), vllm_python=None,
-        llamacpp="/m/a.Q4_1.gguf,Q8_0,bf16", same_file=True,
+        llamacpp="/m/a.Q4_1.gguf,Q8_0,bf16", same_file=True, feature_variants=[],
     )  # fmt: skip
     rows = await pd_compare.run_all(args)
     assert served == [Path("/m/a.Q4_1.gguf"), tmp_path / "hf.Q8_0.gguf", tmp_path / "hf.BF16.gguf"]
@@ -283,7 +283,7 @@ async def test_pdserve_serves_each_llamacpp_file_beside_llama_server(
     served: list[tuple[str, Path]] = []
 
     def fake(kind: str) -> Callable[..., Awaitable[dict]]:
-        async def bench(*a: object) -> dict:  # (model_dir, args[, model]) / (tree, gguf, ...)
+        async def bench(*a: object, **_: object) -> dict:  # (model_dir, args[, model]) / ...
             model = a[1] if kind == "llamacpp" else (a[2] if len(a) > 2 else a[0])
             served.append((kind, Path(str(model))))
             return {1: {"output_throughput": 10.0, "num_errors": 0, "num_requests": 16}}
@@ -296,7 +296,7 @@ async def test_pdserve_serves_each_llamacpp_file_beside_llama_server(
     monkeypatch.setattr(pd_compare.llamacpp_ref, "ensure_build", lambda: None)
     args = argparse.Namespace(
         deps=["colocated"], configs=["smollm2"], conc=[1], model_dir=str(tmp_path),
-        vllm_python=None, llamacpp="/m/a.Q4_1.gguf", same_file=True,
+        vllm_python=None, llamacpp="/m/a.Q4_1.gguf", same_file=True, feature_variants=[],
     )  # fmt: skip
     rows = await pd_compare.run_all(args)
     assert served == [("colocated", tmp_path), ("colocated", Path("/m/a.Q4_1.gguf")),

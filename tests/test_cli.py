@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.tls_certs import make_certs
-from pdserve import cli, generate, launcher
+from pdserve import cli, generate, launcher_args
 from pdserve.cli import DEFAULT_GIL_SWITCH_INTERVAL_MS, add_serve_args, apply_gil_switch_interval
 from pdserve.config_builder import runner_config_from_args, server_config_from_args
 from pdserve.router import cli as router_cli
@@ -106,7 +106,7 @@ def test_decode_threads_must_be_auto_or_a_positive_count(value: str) -> None:
 def _parsers() -> dict[str, Callable[[list[str]], argparse.Namespace]]:
     return {
         "serve": lambda argv: parse(*argv),
-        "up": launcher.parse_args,
+        "up": launcher_args.parse_args,
         "generate": generate._parse_args,
     }
 
@@ -153,7 +153,9 @@ def test_serve_and_router_share_the_body_limit_and_api_key_flags(capsys) -> None
 def test_an_unset_model_is_pdserve_model_then_the_demo(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PDSERVE_MODEL", str(tmp_path))
     assert server_config_from_args(parse()).runner.model_dir == str(tmp_path)
-    assert launcher.cluster_config_from_args(launcher.parse_args([])).model_dir == str(tmp_path)
+    assert launcher_args.cluster_config_from_args(launcher_args.parse_args([])).model_dir == str(
+        tmp_path
+    )
 
 
 @pytest.fixture(scope="module")

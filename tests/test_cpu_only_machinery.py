@@ -13,7 +13,8 @@ import torch
 from pdserve.kernels import cpu_gemm, elementwise, rmsnorm
 from pdserve.kernels.linear import Linear
 from pdserve.kernels.paged_attention import load_kernel
-from pdserve.launcher import child_specs, cluster_config_from_args, parse_args
+from pdserve.launcher import child_specs
+from pdserve.launcher_args import cluster_config_from_args, parse_args
 from pdserve.model_runner import ModelRunner
 from pdserve.thread_tuning import should_calibrate
 

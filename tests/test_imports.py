@@ -128,15 +128,14 @@ def _unit(module: str) -> str:
 # Compute, transfer and plain types: what the serving layers are built from. None of it may import
 # a serving layer back (docs/architecture.md, "Dependency direction").
 LOWER = {
-    "attention", "auth", "device", "envs", "file_lock", "fsm", "grammar", "identity", "kernels",
-    "kv_sizing", "lifetime", "model",
+    "attention", "auth", "device", "envs", "file_lock", "fsm", "grammar", "identity",
+    "keepalive", "kernels", "kv_sizing", "lifetime", "model",
     "model_runner", "reasoning", "registration_msg", "runner_config", "sampler", "sampling_params",
-    "sequence",
-    "thread_tuning", "tls", "transport", "types",
+    "sequence", "thread_tuning", "tls", "transport", "types",
 }  # fmt: skip
 SERVING = {
-    "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher", "llm",
-    "metrics", "registration", "router", "server", "spec",
+    "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher",
+    "launcher_args", "llm", "metrics", "registration", "router", "server", "spec",
 }  # fmt: skip
 WORKER = {"api", "engine", "llm", "registration", "server", "spec"}  # never the router's code
 

@@ -9,7 +9,8 @@ import time
 
 from bench.tls_certs import make_certs
 from pdserve.cli import add_serve_args
-from pdserve.launcher import Child, child_specs, cluster_config_from_args, parse_args, stop_cluster
+from pdserve.launcher import Child, child_specs, stop_cluster
+from pdserve.launcher_args import cluster_config_from_args, parse_args
 
 
 def _serve_parse(argv: list[str]):
@@ -198,3 +199,10 @@ def test_the_tls_flags_reach_every_child_and_their_urls_are_https(tmp_path) -> N
     plain = child_specs(cluster_config_from_args(parse_args(["--model", str(tmp_path)])))
     assert all(url.startswith("http://") and "--ssl-certfile" not in argv
                for _, argv, url in plain)  # fmt: skip
+
+
+def test_up_hands_its_tool_call_parser_to_the_workers(tmp_path) -> None:
+    argv = ["--model", str(tmp_path), "--tool-call-parser", "qwen3_coder"]
+    cfg = cluster_config_from_args(parse_args(argv))
+    worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
+    assert worker.tool_call_parser == "qwen3_coder"

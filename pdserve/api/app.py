@@ -17,6 +17,7 @@ from pdserve.api.metrics import HttpMetrics
 from pdserve.api.middleware import auth_middleware, error_middleware, metrics_middleware
 from pdserve.api.reasoning import resolve_reasoning
 from pdserve.api.state import API_CONTEXT, ApiContext
+from pdserve.api.tool_parsers import resolve_parser
 from pdserve.auth import ABORT, ADMIN, CLIENT, METRICS, OPEN, AccessPolicy, Credentials, as_keys
 from pdserve.engine.protocol import EngineClient
 
@@ -68,6 +69,9 @@ def build_app(
         grammars=GrammarService(engine.tokenizer),
         drain=drain,
         reasoning=resolve_reasoning(config.reasoning_parser, engine.tokenizer),
+        tool_parser=resolve_parser(
+            config.tool_call_parser, getattr(engine.tokenizer, "chat_template", None)
+        ),
     )
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)

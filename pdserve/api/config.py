@@ -30,6 +30,8 @@ class ApiConfig:
     deadline_grace_s: float = 2.0
     body_read_timeout_s: float = 30.0  # a client trickling its body must not hold a handler
     write_timeout_s: float = 30.0  # a client that stops reading its stream counts as gone
+    # A stream whose first token takes longer gets ": keep-alive" comments this often (0: off).
+    sse_keepalive_s: float = 15.0
     abort_timeout_s: float = 5.0  # bound on engine.abort() during cleanup
     max_inline_tokenize_chars: int = 32_768  # longer prompts are tokenized off the event loop
     max_grammar_chars: int = 65_536  # a JSON schema / regex / grammar / choice list, as text
@@ -40,3 +42,10 @@ class ApiConfig:
     json_allow_extra_keys: bool = False
     # --reasoning-parser (qwen3, deepseek_r1): thinking text goes to reasoning_content.
     reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sse_keepalive_s < 0:
+            raise ValueError(f"sse_keepalive_s must be >= 0 (0: off), got {self.sse_keepalive_s}")
+
+    # --tool-call-parser: a name of pdserve.api.tool_parsers.CHOICES ("auto": from the template).
+    tool_call_parser: str = "auto"

@@ -9,7 +9,7 @@ from pdserve.api.errors import ApiError, bad_request, unsupported
 from pdserve.api.structured import Constraint
 from pdserve.engine.protocol import TokenizerLike
 from pdserve.grammar import GrammarCompiler, GrammarError, GrammarMatcher
-from pdserve.grammar.compiler import GrammarLimits
+from pdserve.grammar.compiler import GrammarLimits, validate_spec
 
 
 class GrammarService:
@@ -49,7 +49,13 @@ class GrammarService:
         try:
             first = await compiler.compile_async(constraint.spec)
         except GrammarError as exc:
-            raise _invalid(constraint, str(exc)) from None
+            culprit, detail = constraint, str(exc)
+            if constraint.parts:  # name the piece that fails alone, when one does
+                found = await asyncio.get_running_loop().run_in_executor(
+                    None, self._failing_part, constraint
+                )
+                culprit, detail = found or (culprit, detail)
+            raise _invalid(culprit, detail) from None
         if num_choices == 1:
             return [first]
         # Cache hits (copies of the pristine matcher), still off the loop: an eviction in
@@ -60,8 +66,17 @@ class GrammarService:
         )
         return [first, *rest]
 
+    def _failing_part(self, constraint: Constraint) -> tuple[Constraint, str] | None:
+        for part in constraint.parts:
+            try:
+                validate_spec(part.spec, self._limits)
+            except GrammarError as exc:
+                return part, str(exc)
+        return None
+
 
 def _invalid(constraint: Constraint, detail: str) -> ApiError:
     what = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice list"}
     name = what.get(constraint.spec.kind, "grammar")
-    return bad_request(f"Invalid {name} in '{constraint.param}': {detail}", constraint.param)
+    label = f" ({constraint.label})" if constraint.label else ""
+    return bad_request(f"Invalid {name} in '{constraint.param}'{label}: {detail}", constraint.param)

@@ -22,6 +22,7 @@ from pdserve.api.responses import ChatResponseBuilder, CompletionResponseBuilder
 from pdserve.api.responses_api import ResponsesBuilder, chat_body
 from pdserve.api.serve import serve_prepared
 from pdserve.api.state import ApiContext, api_context
+from pdserve.api.tool_parsers import needs_special_tokens
 
 
 async def _read(request: web.Request, ctx: ApiContext) -> dict[str, Any]:
@@ -39,12 +40,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = ctx.engine
     parsed = parse_chat_request(body, ctx.config, engine.tokenizer.vocab_size)
     _check_prompt_logits(ctx, parsed.options)
+    tools = parsed.tools
+    if tools is not None and tools.mode == "auto" and needs_special_tokens(ctx.tool_parser):
+        parsed.options.skip_special_tokens = False  # its call markers are special tokens
     prepared = await prepare_chat(
         parsed, rid, engine.tokenizer, engine.info.max_model_len, ctx.config
     )
     await _attach_grammars(ctx, prepared)
     reasoning = _attach_reasoning(ctx, prepared, parsed)
-    builder = ChatResponseBuilder(prepared, ctx.token_texts, parsed.tools, reasoning)
+    builder = ChatResponseBuilder(
+        prepared, ctx.token_texts, parsed.tools, reasoning, tool_parser=ctx.tool_parser
+    )
     return await serve_prepared(request, ctx, prepared, builder)
 
 

@@ -215,6 +215,7 @@ def _build(
                 kv_transfer=_choice_kv(options.kv_transfer, i, num_choices),
                 deadline_s=config.request_deadline_s,
                 resume=options.resume,
+                priority=options.priority,
             )
         )
     return PreparedRequest(

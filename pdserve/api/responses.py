@@ -19,7 +19,8 @@ from pdserve.api.logprobs import (
 )
 from pdserve.api.prepare import PreparedRequest
 from pdserve.api.reasoning import ChoiceReasoning
-from pdserve.api.tools import ToolCall, ToolConfig, may_start_call, parse_tool_calls
+from pdserve.api.tool_parsers import DEFAULT_PARSER, ParseDelta, make_parser, parse_whole
+from pdserve.api.tools import ToolConfig
 from pdserve.engine.protocol import GenerateOutput, TokenLogprob
 
 
@@ -173,23 +174,24 @@ class ChatResponseBuilder(ResponseBuilder):
         texts: TokenTexts,
         tools: ToolConfig | None = None,
         reasoning: ChoiceReasoning | None = None,
+        tool_parser: str = DEFAULT_PARSER,
     ) -> None:
         super().__init__(prepared, texts)
         self._reasoning, n = reasoning, prepared.num_choices  # reasoning: --reasoning-parser
         self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-        # Tool calls are parsed from the text: streamed text is held from where one may start.
+        # Tool calls are parsed from the text, by one streaming parser per choice.
         self._tools = tools if tools is not None and tools.mode != "none" else None
-        self._num_streamed = [0] * n  # characters of the choice's text already sent
-        # Named tool_choice: one call per choice, its id fixed when its first delta is sent.
-        self._named_call: list[ToolCall | None] = [
-            ToolCall(tools.named, "") if tools is not None and tools.named else None
-            for _ in range(n)
-        ]
+        self._tool_parser = tool_parser
+        tools = self._tools
+        self._parsers = [make_parser(tools, tool_parser) for _ in range(n)] if tools else []
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """OpenAI opens each choice with an empty assistant delta carrying the role."""
+        """OpenAI opens each choice with an empty assistant delta carrying the role; with
+        tools its content is null, so an answer of calls alone assembles to ``content: null``
+        as the unstreamed message has it."""
+        content = None if self._tools is not None else ""
         return [
-            self._chunk(_chat_choice(i, {"role": "assistant", "content": ""}, None, None))
+            self._chunk(_chat_choice(i, {"role": "assistant", "content": content}, None, None))
             for i in range(self.prepared.num_choices)
         ]
 
@@ -213,36 +215,19 @@ class ChatResponseBuilder(ResponseBuilder):
     def _tool_chunk(
         self, index: int, out: GenerateOutput, logprobs: dict[str, Any] | None
     ) -> dict[str, Any] | None:
-        assert self._tools is not None
-        if out.text:
-            self._texts[index].append(out.text)
-        text = "".join(self._texts[index])
+        # The seam: text deltas in, (content, tool-call deltas) out.
+        parser = self._parsers[index]
+        parsed = parser.feed(out.text) if out.text else ParseDelta()
         finish = out.finish_reason
+        if finish is not None:
+            parsed = parsed.extend(parser.finish())
+            if parser.num_calls and finish == "stop":
+                finish = "tool_calls"
         delta: dict[str, Any] = {}
-        named = self._named_call[index]
-        if named is not None:  # the text is the arguments: stream it as they arrive
-            if out.text or finish is not None:
-                sent = self._num_streamed[index]
-                call: dict[str, Any] = {"index": 0, "function": {"arguments": text[sent:]}}
-                if sent == 0:
-                    call = ToolCall(named.name, text, named.id).to_dict(0)
-                self._num_streamed[index] = len(text)
-                delta["tool_calls"] = [call]
-            finish = "tool_calls" if finish == "stop" else finish
-        elif finish is None:
-            hold = may_start_call(text, self._tools)
-            if hold > self._num_streamed[index]:
-                delta["content"] = text[self._num_streamed[index] : hold]
-                self._num_streamed[index] = hold
-        else:
-            content, calls = parse_tool_calls(text, self._tools)
-            shown = (content or "") if calls else text
-            rest = shown[self._num_streamed[index] :]
-            if rest:
-                delta["content"] = rest
-            if calls:
-                delta["tool_calls"] = [c.to_dict(i) for i, c in enumerate(calls)]
-                finish = "tool_calls" if finish == "stop" else finish
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.calls:
+            delta["tool_calls"] = [c.to_dict() for c in parsed.calls]
         if not delta and finish is None and logprobs is None:
             return None
         return self._chunk(_chat_choice(index, delta, logprobs, finish))
@@ -287,9 +272,9 @@ class ChatResponseBuilder(ResponseBuilder):
         finish = self._finish_reasons[index]
         if self._tools is None:
             return {"role": "assistant", "content": text}, finish
-        content, calls = parse_tool_calls(text, self._tools)
+        content, calls = parse_whole(make_parser(self._tools, self._tool_parser), text)
         if not calls:
-            return {"role": "assistant", "content": text}, finish
+            return {"role": "assistant", "content": content}, finish
         message = {
             "role": "assistant",
             "content": content,

@@ -5,7 +5,11 @@ client vanished (handler cancelled, or a failed/stuck SSE write), the engine fai
 the deadline backstop fired, or an unexpected bug.
 
 Streaming headers are sent only once the first delta is ready, so an engine error before any
-token is still a plain JSON error with its status (which a router can retry elsewhere).
+token is still a plain JSON error with its status (which a router can retry elsewhere), unless
+the first delta takes longer than the keep-alive period (``ApiConfig.sse_keepalive_s``): then
+the stream opens with ``: keep-alive`` comments, one a period, and an error that comes before
+the first delta is an SSE error event. A router asks for none (pdserve.keepalive): it sends
+its own to the client and keeps its freedom to retry elsewhere until the first data chunk.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pdserve.api.sse import ClientGone, SseWriter, encode_event
 from pdserve.api.state import CLIENT_GONE, ApiContext
 from pdserve.auth import ANONYMOUS, CALLER
 from pdserve.engine.protocol import EngineError, GenerateOutput
+from pdserve.keepalive import KEEPALIVE_EVENT, KEEPALIVE_HEADER, KeepAlive
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ async def _serve(
         if writer is None:
             response = await _collect(streams, builder)
         else:
-            await _stream(writer, ctx, streams, builder)
+            await _stream(writer, ctx, streams, builder, _keepalive_s(request, ctx))
             response = writer.response
         close_reason = "ended"
         return response
@@ -115,10 +120,51 @@ async def _collect(streams: ChoiceStreams, builder: ResponseBuilder) -> web.Resp
     )
 
 
+def _keepalive_s(request: web.Request, ctx: ApiContext) -> float:
+    """The keep-alive period for this stream: 0 (none) when a router holds the client."""
+    if request.headers.get(KEEPALIVE_HEADER) == "0":
+        return 0.0
+    return ctx.config.sse_keepalive_s
+
+
+async def _first_batch(
+    writer: SseWriter, streams: ChoiceStreams, keepalive_s: float
+) -> list[tuple[int, GenerateOutput]]:
+    """The first deltas; while they take longer than ``keepalive_s``, the stream opens and
+    gets a comment every period."""
+    if keepalive_s <= 0:
+        return await streams.next_batch()
+
+    async def send() -> None:
+        try:
+            await writer.open()
+            await writer.send(KEEPALIVE_EVENT)
+        except ClientGone as exc:
+            raise ConnectionError(str(exc)) from exc
+
+    ticks = KeepAlive(keepalive_s, send)
+    ticks.start()
+    try:
+        return await streams.next_batch()
+    finally:
+        await ticks.stop()
+
+
 async def _stream(
-    writer: SseWriter, ctx: ApiContext, streams: ChoiceStreams, builder: ResponseBuilder
+    writer: SseWriter,
+    ctx: ApiContext,
+    streams: ChoiceStreams,
+    builder: ResponseBuilder,
+    keepalive_s: float = 0.0,
 ) -> None:
-    batch = await streams.next_batch()  # errors up to here are still plain JSON errors
+    try:
+        batch = await _first_batch(writer, streams, keepalive_s)
+    except (ApiError, EngineError) as exc:
+        if not writer.is_open:
+            raise  # nothing sent yet: still a plain JSON error with its status
+        await _fail_open_stream(writer, ctx, streams, builder, exc)  # after keep-alives
+        await writer.finish()
+        return
     await writer.open()
     events = [encode_event(c) for c in builder.opening_chunks()]
     try:
@@ -132,14 +178,7 @@ async def _stream(
         if closing:
             await writer.send(b"".join(encode_event(c) for c in closing))
     except (ApiError, EngineError) as exc:
-        err = from_engine_error(exc) if isinstance(exc, EngineError) else exc
-        logger.info(
-            "request %s: failed mid-stream with %s: %s",
-            builder.prepared.request_id,
-            err.status,
-            err.message,
-        )
-        await _send_error(writer, ctx, streams, err)
+        await _fail_open_stream(writer, ctx, streams, builder, exc)
     except ClientGone:
         raise
     except Exception:
@@ -155,6 +194,21 @@ def _encode_batch(builder: ResponseBuilder, batch: list[tuple[int, GenerateOutpu
         if chunk is not None:
             events.append(encode_event(chunk))
     return events
+
+
+async def _fail_open_stream(
+    writer: SseWriter,
+    ctx: ApiContext,
+    streams: ChoiceStreams,
+    builder: ResponseBuilder,
+    exc: ApiError | EngineError,
+) -> None:
+    err = from_engine_error(exc) if isinstance(exc, EngineError) else exc
+    logger.info(
+        "request %s: failed mid-stream with %s: %s",
+        builder.prepared.request_id, err.status, err.message,
+    )  # fmt: skip
+    await _send_error(writer, ctx, streams, err)
 
 
 async def _send_error(

@@ -29,6 +29,7 @@ class ApiContext:
     # abort names one of its own (api/admin.py), live or recently ended.
     owners: RequestOwners = field(default_factory=RequestOwners)
     reasoning: ReasoningTokens | None = None  # --reasoning-parser, resolved in the tokenizer
+    tool_parser: str = "hermes"  # --tool-call-parser, "auto" resolved from the chat template
 
 
 API_CONTEXT: web.AppKey[ApiContext] = web.AppKey("pdserve_api_context", ApiContext)

@@ -38,6 +38,9 @@ class Constraint:
 
     spec: GrammarSpec
     param: str
+    label: str = ""  # what the field holds, for errors: "function 'get_weather'"
+    # Pieces compiled alone to name the culprit when the whole fails (required's tools).
+    parts: tuple[Constraint, ...] = ()
 
 
 def allowing_extra_keys(constraint: Constraint | None, allow: bool) -> Constraint | None:
@@ -45,7 +48,9 @@ def allowing_extra_keys(constraint: Constraint | None, allow: bool) -> Constrain
     ``additionalProperties`` (see :class:`~pdserve.grammar.spec.GrammarSpec`)."""
     if constraint is None or not allow or constraint.spec.kind != "json_schema":
         return constraint
-    return Constraint(dataclasses.replace(constraint.spec, allow_extra_keys=True), constraint.param)
+    spec = dataclasses.replace(constraint.spec, allow_extra_keys=True)
+    parts = tuple(p for c in constraint.parts if (p := allowing_extra_keys(c, allow)) is not None)
+    return dataclasses.replace(constraint, spec=spec, parts=parts)
 
 
 def parse_constraint(body: dict[str, Any], max_chars: int) -> Constraint | None:

@@ -1,12 +1,14 @@
-"""Tool calling: ``tools`` / ``tool_choice`` validation, their grammar, and output parsing.
+"""Tool calling: ``tools`` / ``tool_choice`` validation and the grammar of a forced choice.
 
-- ``auto``: the tools go to the chat template; calls are parsed from the text in the formats
-  of the supported families: Hermes / Qwen ``<tool_call>{"name", "arguments"}</tool_call>``
-  and Llama 3 JSON ``{"name", "parameters"}`` (optionally after ``<|python_tag|>``).
+- ``auto``: the tools go to the chat template; calls are parsed from the text by the parser
+  ``--tool-call-parser`` names (:mod:`pdserve.api.tool_parsers`).
 - ``required``: the output is constrained to a JSON array of ``{"name", "parameters"}``
   objects, one schema branch per tool; ``{"type": "function", ...}`` (named): the output is
   constrained to that function's parameters schema and is its arguments.
 - ``none``: the tools are not shown to the model.
+
+A schema the grammar engine cannot compile is a 400 naming the function and its
+``tools[i].function.parameters``.
 """
 
 from __future__ import annotations
@@ -26,9 +28,6 @@ from pdserve.grammar.spec import GrammarSpec
 
 ToolMode = Literal["none", "auto", "required", "named"]
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +64,17 @@ class ToolConfig:
                 return tool["function"].get("parameters") or {"type": "object"}
         raise KeyError(name)
 
+    def _schema_constraint(self, i: int) -> Constraint:
+        """Tool ``i``'s parameters as a grammar, its compile errors naming the function."""
+        name = self.tools[i]["function"]["name"]
+        spec = GrammarSpec.json_schema(self.parameters(name))
+        return Constraint(spec, f"tools[{i}].function.parameters", f"function '{name}'")
+
     def constraint(self) -> Constraint | None:
         """The grammar that enforces a ``required`` or named choice."""
         if self.mode == "named":
-            assert self.named is not None
-            return Constraint(GrammarSpec.json_schema(self.parameters(self.named)), "tool_choice")
+            names = [t["function"]["name"] for t in self.tools]
+            return self._schema_constraint(names.index(self.named))
         if self.mode != "required":
             return None
         branches = [
@@ -87,7 +92,8 @@ class ToolConfig:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return Constraint(GrammarSpec.json_schema(schema), "tool_choice")
+        parts = tuple(self._schema_constraint(i) for i in range(len(self.tools)))
+        return Constraint(GrammarSpec.json_schema(schema), "tool_choice", parts=parts)
 
 
 def parse_tools(body: dict[str, Any], config: ApiConfig) -> ToolConfig | None:
@@ -163,81 +169,3 @@ def _parse_tool_list(value: Any, config: ApiConfig) -> list[dict[str, Any]]:
             param="tools",
         )
     return tools
-
-
-def parse_tool_calls(text: str, tools: ToolConfig) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished output; no calls: the text is all content."""
-    if tools.mode == "named":
-        assert tools.named is not None
-        return None, [ToolCall(tools.named, text.strip())]
-    if tools.mode == "required":
-        calls = _json_calls(text, tools)
-        return (None, calls) if calls else (text, [])
-    if tools.mode != "auto":
-        return text, []
-    if HERMES_OPEN in text:
-        content = text[: text.index(HERMES_OPEN)]
-        calls = [c for m in _HERMES_CALL.finditer(text) if (c := _one_call(m.group(1), tools))]
-        if calls:
-            return content or None, calls
-        return text, []
-    calls = _json_calls(text.strip().removeprefix(PYTHON_TAG), tools)
-    return (None, calls) if calls else (text, [])
-
-
-def _json_calls(text: str, tools: ToolConfig) -> list[ToolCall]:
-    try:
-        value = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        # Llama 3 may separate several calls with ';'.
-        parts = [p for p in text.split(";") if p.strip()]
-        if len(parts) < 2:
-            return []
-        calls = [_one_call(p, tools) for p in parts]
-        return [c for c in calls if c] if all(calls) else []
-    items = value if isinstance(value, list) else [value]
-    calls = [_call_of(item, tools) for item in items]
-    return [c for c in calls if c] if calls and all(calls) else []
-
-
-def _one_call(text: str, tools: ToolConfig) -> ToolCall | None:
-    try:
-        return _call_of(orjson.loads(text), tools)
-    except orjson.JSONDecodeError:
-        return None
-
-
-def _call_of(value: Any, tools: ToolConfig) -> ToolCall | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    args = value.get("arguments", value.get("parameters", {}))
-    if isinstance(args, str):  # some models send the arguments already encoded
-        try:
-            args = orjson.loads(args)
-        except orjson.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    if value["name"] not in {t["function"]["name"] for t in tools.tools}:
-        return None
-    return ToolCall(value["name"], orjson.dumps(args).decode())
-
-
-def may_start_call(text: str, tools: ToolConfig) -> int:
-    """Where a tool call may begin in streamed ``text`` (``len(text)``: nowhere yet).
-
-    Text before it can be streamed as content; from there on it is held until the end.
-    """
-    if tools.mode in ("named", "required"):
-        return 0
-    stripped = text.lstrip()
-    if stripped.startswith(("{", "[", PYTHON_TAG)) or PYTHON_TAG.startswith(stripped or "x"):
-        return 0 if stripped else len(text)
-    pos = text.find(HERMES_OPEN)
-    if pos >= 0:
-        return pos
-    # A partial marker at the end is held back until it completes or cannot.
-    for keep in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-        if HERMES_OPEN.startswith(text[-keep:]):
-            return len(text) - keep
-    return len(text)

@@ -137,7 +137,7 @@ def parse_vllm_options(
     salt = body.get("cache_salt")
     if salt is not None:
         opts.cache_salt = as_str(salt, "cache_salt", MAX_CACHE_SALT_LEN, non_empty=True)
-    # Accepted for vLLM clients; pdserve schedules first come, first served.
+    # Under --scheduling-policy priority lower values run first; fcfs (the default) ignores it.
     opts.priority = as_int(optional(body, "priority", 0), "priority", -(2**63), 2**63 - 1)
     if is_chat:
         _check_documents(body.get("documents"))

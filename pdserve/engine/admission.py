@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from pdserve.engine.output import OutputState
+from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.protocol import EngineError, GenerateRequest, ResumeState
 from pdserve.engine.request import Request
 from pdserve.kernels.kv_cache import KVCacheConfig
@@ -39,7 +40,9 @@ def new_request(
     seq.grammar = request.grammar
     if request.reasoning is not None:
         ThinkingState.attach(seq, request.reasoning)  # the grammar sleeps while it thinks
-    req = Request(request.request_id, seq, request.kv_transfer, resume=request.resume)
+    req = Request(
+        request.request_id, seq, request.kv_transfer, request.priority, resume=request.resume
+    )
     req.out_state = OutputState(req.request_id, seq, tokenizer, max_model_len)
     if request.resume is not None:
         _resume(req, request.resume)
@@ -63,3 +66,18 @@ def _resume(req: Request, resume: ResumeState) -> None:
                 400, "invalid_request_error", "resume_params",
             )  # fmt: skip
         req.out_state.replay(token, resume)
+
+
+def check_prefill_time(num_prompt_tokens: int, deadline_s: float, rate: PrefillRate) -> None:
+    """Refuse a prompt this engine cannot prefill within the request's deadline at its measured
+    prefill rate (a 400 with the estimate), rather than computing it until the deadline fires.
+    Nothing is refused before a prefill step was measured."""
+    estimate = rate.estimate_s(num_prompt_tokens)
+    if estimate is None or estimate <= deadline_s:
+        return
+    raise EngineError(
+        f"the prompt's {num_prompt_tokens} tokens need about {estimate:.1f} s to prefill here "
+        f"(measured {rate.tokens_per_s:.1f} tokens/s), more than the request's deadline of "
+        f"{deadline_s:g} s",
+        400, "invalid_request_error", "prefill_exceeds_deadline",
+    )  # fmt: skip

@@ -20,6 +20,8 @@ class RequestDeadlines:
     """
 
     waiting_s: float = 60.0  # queued for a prefill slot
+    # prefilling: renewed by every prefill step, so it fires only when prefill stops moving
+    prefill_progress_s: float = 60.0
     waiting_for_kv_s: float = 120.0  # decode: backstop over the room's own deadlines
     prefill_inflight_s: float = 120.0  # prefill: backstop over the room's own deadlines
     request_s: float | None = None  # overall deadline; None: derived per request

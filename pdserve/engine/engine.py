@@ -14,11 +14,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.engine.admission import new_request
+from pdserve.engine.admission import check_prefill_time, new_request
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.handoff import Handoff
+from pdserve.engine.introspection import count_by_state, oldest_age_by_state
 from pdserve.engine.page_frees import PageFrees
+from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.protocol import (
     EngineError,
@@ -29,7 +31,7 @@ from pdserve.engine.protocol import (
 )
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner_thread import RunnerThread
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.engine.stats import EngineObserver
 from pdserve.engine.step_output import StepOutputs
 from pdserve.engine.warmup import warm_up
@@ -37,7 +39,6 @@ from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import ALWAYS_READY
 from pdserve.model_runner import ModelRunner
 from pdserve.reasoning.gate import grammar_sees
-from pdserve.spec.build import build_speculator
 from pdserve.thread_tuning import should_calibrate
 
 logger = logging.getLogger(__name__)
@@ -81,11 +82,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._frees = PageFrees(self.allocator, self._on_pages_freed)
+        self.prefill_rate = PrefillRate()  # of this engine's recent prefill steps
         self.steps = StepOutputs(runner, self.scheduler, self)  # runs and commits each step
-        if config.speculative is not None and config.role != "prefill":
-            self.steps.speculator = build_speculator(
-                config.speculative, runner, self.allocator, self.info.max_model_len
-            )
         self._ready = False
         self._idle = asyncio.Event()  # set while no request is admitted (a drain waits on it)
         self._idle.set()
@@ -171,13 +169,15 @@ class Engine:
             self.tokenizer,
         )  # fmt: skip
         sp, num_prompt = req.seq.sampling, req.seq.num_prompt_tokens
-        self._requests[req.request_id] = req
-        self._idle.clear()
-        self.observer.on_arrival(req)
         # Bounded in every state, RUNNING and re-queued after preemption included.
         total = request.deadline_s or self.config.deadlines.overall_s(
             min(num_prompt + sp.max_tokens, self.info.max_model_len)
         )
+        if req.kv_transfer is None or self.config.role == "prefill":  # it prefills here
+            check_prefill_time(num_prompt, total, self.prefill_rate)
+        self._requests[req.request_id] = req
+        self._idle.clear()
+        self.observer.on_arrival(req)
         req.overall_deadline = asyncio.get_running_loop().call_later(
             total, self._on_deadline, req, "timeout:request"
         )
@@ -214,7 +214,9 @@ class Engine:
                 await self._wake.wait()
                 continue
             seqs = (batch.decode, batch.prefill_seqs())
+            num_prefill_tokens = self._on_prefill_progress(batch)
             self._frees.begin_step()
+            started = time.monotonic()
             fut = self._runner_thread.submit(self.steps.run, seqs)
             # Overlap: the previous step's detokenization, stop-string checks and streaming run
             # on the loop while the runner thread computes this step.
@@ -223,6 +225,7 @@ class Engine:
             try:
                 out = await fut
                 kv_ready = out.kv_ready
+                self.prefill_rate.observe(num_prefill_tokens, time.monotonic() - started)
             except Exception as e:  # a model error fails this batch, never the server
                 logger.exception("%s step failed for %d requests", batch.kind, len(batch.requests))
                 for req in batch.requests:
@@ -231,6 +234,14 @@ class Engine:
             finally:
                 self._frees.end_step(kv_ready)
             self.steps.apply(batch, out.decode, out.prefill)
+
+    def _on_prefill_progress(self, batch: Batch) -> int:
+        """A step with prompt chunks is scheduled, so the last one ended: every prefilling
+        request's no-progress deadline starts again (those whose turn comes later too: the
+        engine's prefill is moving). Returns the step's prompt tokens."""
+        for req in self.scheduler.prefilling if batch.prefill else ():
+            self.arm(req, self.config.deadlines.prefill_progress_s, "timeout:prefilling")
+        return batch.num_prefill_tokens()
 
     # ---- outputs and endings ---------------------------------------------------------------
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
@@ -338,6 +349,7 @@ class Engine:
     def arm(self, req: Request, seconds: float, label: str) -> None:
         self.disarm(req)
         req.deadline = asyncio.get_running_loop().call_later(seconds, self._on_deadline, req, label)
+        req.deadline_label = label
 
     def disarm(self, req: Request) -> None:
         if req.deadline is not None:
@@ -360,17 +372,10 @@ class Engine:
 
     # ---- introspection ---------------------------------------------------------------------
     def count_by_state(self) -> dict[str, int]:
-        counts = {s.value: 0 for s in RequestState if s is not RequestState.FINISHED}
-        for req in self._requests.values():
-            counts[req.state.value] += 1
-        return counts
+        return count_by_state(self._requests.values())
 
     def oldest_age_by_state(self) -> dict[str, float]:
-        now = time.monotonic()
-        ages = {s.value: 0.0 for s in RequestState if s is not RequestState.FINISHED}
-        for req in self._requests.values():
-            ages[req.state.value] = max(ages[req.state.value], now - req.state_entered)
-        return ages
+        return oldest_age_by_state(self._requests.values())
 
     def load(self) -> dict[str, int]:
         """What a router weighs this worker by: requests per state and free KV pages.

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine.handoff_host import HandoffHost
 from pdserve.engine.protocol import EngineError, TokenLogprob
 from pdserve.engine.request import Request, RequestState
+from pdserve.engine.scheduler import insert_by_priority
 from pdserve.fsm import DuplicateRoomError, Room, RoomOutcome, RoomState
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
 
@@ -153,7 +154,10 @@ class DecodeHandoff(Handoff):
         self.engine.arm(
             req, self.engine.config.deadlines.waiting_for_kv_s, "timeout:waiting_for_kv"
         )
-        self._pending.append(req)
+        if self.engine.scheduler.is_priority:  # --scheduling-policy priority: lower first
+            insert_by_priority(self._pending, req)
+        else:
+            self._pending.append(req)
         self.on_pages_freed()
 
     def on_pages_freed(self) -> None:

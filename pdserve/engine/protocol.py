@@ -51,6 +51,7 @@ class GenerateRequest:
     grammar: GrammarMatcher | None = None  # structured output: this stream's own matcher
     resume: ResumeState | None = None  # migrated: continue after these generated tokens
     reasoning: ReasoningSpec | None = None  # a thinking block: the grammar starts after it
+    priority: int = 0  # --scheduling-policy priority: lower values first (vLLM's meaning)
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 class RequestState(enum.StrEnum):
     WAITING = "waiting"  # queued for prefill (or for re-prefill after preemption)
+    PREFILLING = "prefilling"  # pages allocated, prompt chunks being computed
     WAITING_FOR_KV = "waiting_for_kv"  # decode role: destination pages posted, KV not there yet
     PREFILL_INFLIGHT = "prefill_inflight"  # prefill role: prefill done, KV hand-off not final
     RUNNING = "running"  # in the decode batch
@@ -33,11 +34,13 @@ class RequestState(enum.StrEnum):
 _NEXT: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset(
         {
-            RequestState.RUNNING,
-            RequestState.PREFILL_INFLIGHT,
+            RequestState.PREFILLING,  # its first chunk is scheduled
             RequestState.WAITING_FOR_KV,  # decode role: admitted, pages lent to a KV room
             RequestState.FINISHED,
         }
+    ),
+    RequestState.PREFILLING: frozenset(
+        {RequestState.RUNNING, RequestState.PREFILL_INFLIGHT, RequestState.FINISHED}
     ),
     RequestState.WAITING_FOR_KV: frozenset({RequestState.RUNNING, RequestState.FINISHED}),
     RequestState.PREFILL_INFLIGHT: frozenset({RequestState.FINISHED}),
@@ -51,6 +54,7 @@ class Request:
     request_id: str
     seq: Sequence
     kv_transfer: KVTransferParams | None = None
+    priority: int = 0  # the priority policy runs lower values first (vLLM's meaning)
     state: RequestState = RequestState.WAITING
     arrival: float = field(default_factory=time.monotonic)
     state_entered: float = field(default_factory=time.monotonic)
@@ -61,6 +65,7 @@ class Request:
     reason: str | None = None  # why the last move happened
     last_transition: tuple[str, str, str] | None = None  # (from, to, reason)
     deadline: asyncio.TimerHandle | None = None  # of the current state
+    deadline_label: str | None = None  # what ``deadline`` reports when it fires
     overall_deadline: asyncio.TimerHandle | None = None
     pages_in_room: bool = False  # decode: pages lent to a KV room (the room frees them on failure)
     num_prefix_pages: int = 0  # decode: leading pages from its prefix cache, never lent to a room
@@ -111,6 +116,8 @@ class Request:
             "num_pages": len(self.seq.page_ids),
             "reason": self.reason,
             "last_transition": list(self.last_transition) if self.last_transition else None,
+            "priority": self.priority,
+            "deadline": self.deadline_label if self.deadline is not None else None,
             "deadline_in_s": _remaining(self.deadline),
             "overall_deadline_in_s": _remaining(self.overall_deadline),
         }

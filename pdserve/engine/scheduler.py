@@ -9,13 +9,20 @@ A request's pages are all allocated when its prefill starts (cached prefix pages
 reference, through :class:`~pdserve.engine.prefix_cache.PrefixCache`), so a partly prefilled
 request can always finish. The scheduler knows requests, pages and budgets only; KV hand-off
 between roles lives elsewhere.
+
+Policies (vLLM's ``--scheduling-policy``): ``fcfs`` runs requests in arrival order; ``priority``
+keeps its queues in (``priority``, arrival) order, lower values first, and lets the head of the
+waiting queue take the row and pages of running requests of a lower priority (larger value)
+when it could not start otherwise. A preempted request keeps its tokens; its re-prefill over
+prompt and generated tokens gives the same K/V bits (batch-invariant kernels) and its sampler
+the same noise (a function of seed and position), so it continues exactly.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pdserve.engine.prefix_cache import PrefixCache
@@ -35,6 +42,38 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048
     chunked_prefill: bool = True
     prefix_caching: bool = True
+    policy: str = "fcfs"  # or "priority" (SCHEDULING_POLICIES)
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}"
+            )
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def priority_key(req: Request) -> tuple[int, float]:
+    """Lower runs first: the request's priority value, then its arrival."""
+    return (req.priority, req.arrival)
+
+
+def insert_by_priority(queue: deque[Request] | list[Request], req: Request) -> None:
+    """Put ``req`` into ``queue`` (in :func:`priority_key` order) after every equal key."""
+    i, key = len(queue), priority_key(req)
+    while i > 0 and priority_key(queue[i - 1]) > key:
+        i -= 1
+    queue.insert(i, req)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the metrics module reads: preemptions by cause."""
+
+    num_preemptions: dict[str, int] = field(
+        default_factory=lambda: {"out_of_pages": 0, "priority": 0}
+    )
 
 
 class Batch(NamedTuple):
@@ -51,6 +90,11 @@ class Batch(NamedTuple):
     @property
     def requests(self) -> list[Request]:
         return self.decode + self.prefill
+
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens the step computes (before it ran)."""
+        ends = zip(self.prefill, self.prefill_ends, strict=True)
+        return sum(end - r.seq.num_cached_tokens for r, end in ends)
 
     def prefill_seqs(self) -> list[Sequence]:
         """What the runner prefills: the sequence itself for a last chunk, else a view that ends
@@ -85,17 +129,32 @@ class Scheduler:
         self.running: list[Request] = []
         # Decode role: KV received while max_num_seqs run; they join as rows free up.
         self.ready: deque[Request] = deque()
+        self.is_priority = config.policy == "priority"
+        self.stats = SchedulerStats()
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._enqueue(self.waiting, req, at_head=False)
+
+    def _enqueue(
+        self, queue: deque[Request] | list[Request], req: Request, *, at_head: bool
+    ) -> None:
+        """fcfs: at the tail (or the head: a preempted request); priority: in key order."""
+        if not self.is_priority:
+            if at_head:
+                assert isinstance(queue, deque)
+                queue.appendleft(req)
+            else:
+                queue.append(req)
+            return
+        insert_by_priority(queue, req)
 
     def add_running(self, req: Request) -> None:
         """A request with its prompt's KV computed or received joins the decode batch, or waits
         in ``ready`` (pages held, first token out) while ``max_num_seqs`` requests run."""
         if self._num_seqs() < self.config.max_num_seqs:
-            self.running.append(req)
+            self._enqueue(self.running, req, at_head=False)
         else:
-            self.ready.append(req)
+            self._enqueue(self.ready, req, at_head=False)
 
     def _num_seqs(self) -> int:
         return len(self.running) + len(self.prefilling)
@@ -117,6 +176,8 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running or self.ready)
 
     def schedule(self, *, decode: bool = True) -> Batch | None:
+        if self.is_priority and self.waiting and self.running:
+            self._preempt_for_priority()  # before the decode rows are taken
         if not self.config.chunked_prefill:
             prefill, ends = self._next_prefill(self.config.max_prefill_tokens, whole=True)
             if prefill:
@@ -187,6 +248,7 @@ class Scheduler:
                 req.request_id, seq.num_cached_tokens, seq.num_tokens, len(hit),
             )  # fmt: skip
             take = num_new if one_forward else min(num_new, budget)
+            req.move(RequestState.PREFILLING, "prefill starts")
             self.prefilling.append(req)
             batch.append(req)
             ends.append(seq.num_cached_tokens + take)
@@ -200,9 +262,10 @@ class Scheduler:
             self._num_seqs() + len(self.waiting) < self.config.max_num_seqs
             or not (self.running or self.prefilling)
         ):
-            self.running.append(self.ready.popleft())
+            self._enqueue(self.running, self.ready.popleft(), at_head=False)
         # Each running sequence writes K/V of its last token this step: make room for it, preempting
-        # the youngest sequences (recomputed later) when pages run out.
+        # the youngest sequences (recomputed later) when pages run out; under the priority
+        # policy ``running`` is in key order, so the last is the lowest priority's youngest.
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -216,10 +279,38 @@ class Scheduler:
             i += 1
         return list(self.running)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt_for_priority(self) -> None:
+        """The head of the waiting queue takes the row and pages of running requests of lower
+        priority, lowest (then youngest) first, when it could not start otherwise; none is
+        preempted unless that lets it start."""
+        head, cfg = self.waiting[0], self.config
+        victims = [r for r in self.running if priority_key(r) > priority_key(head)]
+        if not victims:
+            return
+        seq = head.seq
+        hit = [] if wants_prompt_logprobs(seq) else self.cache.lookup(seq, head.page_keys)
+        missing = -(-seq.num_tokens // self.page_size) - len(hit)
+
+        def is_blocked() -> bool:
+            no_row = self._num_seqs() >= cfg.max_num_seqs
+            return no_row or not self.cache.can_allocate_with(hit, missing)
+
+        # At most every victim's pages come back (fewer where others share them).
+        freeable = sum(len(v.seq.page_ids) for v in victims)
+        reviving = sum(1 for p in hit if self.allocator.refcount(p) == 0)
+        if not is_blocked() or self.allocator.num_available + freeable < missing + reviving:
+            return
+        while victims and is_blocked():
+            victim = victims.pop()  # running is in key order: the lowest priority's youngest
+            self.running.remove(victim)
+            self._preempt(victim, "priority")
+
+    def _preempt(self, req: Request, cause: str = "out_of_pages") -> None:
         # Its computed full pages stay cached: the re-prefill finds most of them again.
         self.allocator.free(self.release_pages(req))
         req.seq.page_ids = []
         req.seq.num_cached_tokens = 0
-        req.move(RequestState.WAITING, "preempted: out of KV pages")
-        self.waiting.appendleft(req)
+        why = "out of KV pages" if cause == "out_of_pages" else "a request of higher priority"
+        req.move(RequestState.WAITING, f"preempted: {why}")
+        self.stats.num_preemptions[cause] += 1
+        self._enqueue(self.waiting, req, at_head=True)

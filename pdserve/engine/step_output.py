@@ -12,16 +12,19 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Protocol
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.handoff import Handoff
-from pdserve.engine.protocol import EngineError, TokenLogprob
+from pdserve.engine.protocol import EngineError, EngineInfo, TokenLogprob
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.grammar.matcher import prefetch_all
+from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import KVReady
 from pdserve.kernels.prompt_logprobs import PromptLogprobs
 from pdserve.model_runner import ModelRunner, RunnerOutput
 from pdserve.reasoning.gate import grammar_sees
 from pdserve.sequence import Sequence
+from pdserve.spec.build import speculator_for
 from pdserve.spec.speculator import Speculator
 from pdserve.spec.verify import VerifyOutput
 
@@ -40,6 +43,9 @@ class StepHooks(Protocol):
     """What a step's commit calls back in the engine."""
 
     handoff: Handoff | None  # attached after the engine was built
+    config: EngineConfig
+    allocator: PageAllocator
+    info: EngineInfo
 
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None: ...
 
@@ -59,7 +65,10 @@ class StepOutputs:
         self.hooks = hooks
         # Deltas of the last step for requests that go on: emitted while the next step computes.
         self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
-        self.speculator: Speculator | None = None  # decode-only steps may verify drafts
+        # Decode-only steps may verify drafts (pdserve.spec).
+        self.speculator: Speculator | None = speculator_for(
+            hooks.config, runner, hooks.allocator, hooks.info.max_model_len
+        )
 
     @property
     def has_deferred(self) -> bool:
@@ -148,7 +157,7 @@ class StepOutputs:
                 handoff = self.hooks.handoff
                 if handoff is not None and handoff.on_prefilled(req, tok, lp, kv_ready):
                     continue
-                if req.state is RequestState.WAITING:
+                if req.state is RequestState.PREFILLING:
                     req.move(RequestState.RUNNING, "prefilled")
                     self.hooks.disarm(req)
                     self.scheduler.add_running(req)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import cpu_gemm, quant_gemm
-from pdserve.model.quantized import QuantizedTensor
+from pdserve.model.quantized import QuantizedTensor, stack_runs
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ class Linear:
         self.quant: quant_gemm.PackedQuantWeight | None = None
         if isinstance(weight, (QuantizedTensor, list)):
             parts = [weight] if isinstance(weight, QuantizedTensor) else weight
-            self.quant = quant_gemm.pack_parts(parts) if use_kernel else None
+            # One packed matrix per run of a type (the stacked copy lives only while packing).
+            self.quant = quant_gemm.pack_parts(stack_runs(parts)) if use_kernel else None
             if self.quant is not None:  # no dense weight is kept
                 self.kernel, self.weight = None, None
                 self.bias = bias.float() if bias is not None else None

@@ -12,7 +12,9 @@ Supported types: :data:`SUPPORTED_TYPES`.
 from __future__ import annotations
 
 import types
+import warnings
 
+import numpy as np
 import torch
 
 from pdserve.kernels import cpu_ext
@@ -56,7 +58,7 @@ class PackedQuantWeight:
         self.out_features = sum(self.part_sizes)
         self.type_ids = [GGML_TYPE_IDS[name] for name in self.type_names]
         self.packed = [
-            module.quant_pack(torch.from_numpy(p.data), type_id, self.in_features)
+            module.quant_pack(_read_only_tensor(p.data), type_id, self.in_features)
             for p, type_id in zip(parts, self.type_ids, strict=True)
         ]
 
@@ -72,6 +74,14 @@ class PackedQuantWeight:
     def num_bytes(self) -> int:
         """Bytes of the packed weights (what a step streams; for memory accounting)."""
         return sum(t.numel() for t in self.packed)
+
+
+def _read_only_tensor(data: np.ndarray) -> torch.Tensor:
+    """``data`` (often a read-only view of a mapped GGUF file) as a tensor, uncopied: the
+    packing only reads it, so torch's warning about non-writable arrays does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data)
 
 
 def pack_parts(parts: list[QuantizedTensor]) -> PackedQuantWeight | None:

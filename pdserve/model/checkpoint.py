@@ -43,6 +43,17 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return gguf_model_config(f)
 
 
+def check_model_config(path: str | Path) -> ModelConfig:
+    """:func:`load_model_config` for a process that serves nothing (the launcher's check before
+    it starts workers): no parse of the file stays cached in it."""
+    try:
+        return load_model_config(path)
+    finally:
+        from pdserve.model.gguf.file import forget_parsed_files
+
+        forget_parsed_files()
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     f = _gguf(path)
     if f is None:
@@ -88,6 +99,18 @@ def load_model_weights(
     from pdserve.model.gguf.weights import load_gguf_weights
 
     return load_gguf_weights(f, config, dtype, device)
+
+
+def release_checkpoint_file(path: str | Path) -> None:
+    """Once the model is built from ``path``: a GGUF file's mapped pages leave this process's
+    resident set (the kernels hold their packed copy) and its cached parse is dropped, so the
+    file's bytes are in memory once. Nothing for a Hugging Face directory."""
+    from pdserve.model.gguf.file import find_gguf, forget_parsed_files, open_gguf
+
+    found = find_gguf(path)
+    if found is not None:
+        open_gguf(found).release_pages()
+        forget_parsed_files()
 
 
 def default_served_name(path: str | Path) -> str:

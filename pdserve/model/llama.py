@@ -32,7 +32,8 @@ from pdserve.kernels.rope import rope_tables
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpp_layers import CppDecoderLayers, cpp_decoder_layers
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.weights import LayerWeights, ModelWeights
+from pdserve.model.quantized import QuantizedTensor
+from pdserve.model.weights import LayerWeights, ModelWeights, num_bytes
 
 
 def _vector(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -90,12 +91,12 @@ class LlamaModel:
         """Memory the weights occupy as they run: each projection's (packed, quantized or dense)
         copy, the embedding table and the norms."""
         linears = [self.lm_head]
-        vectors = [self.weights.embed, self.final_norm]
+        vectors = [self.final_norm]
         for layer in self.layers:
             linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
             vectors += [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm]
         dense = sum(t.numel() * t.element_size() for t in vectors if t is not None)
-        return dense + sum(p.num_bytes for p in linears)
+        return num_bytes(self.weights.embed) + dense + sum(p.num_bytes for p in linears)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -103,7 +104,7 @@ class LlamaModel:
         prepared for ``batch``) stores the tokens' K/V."""
         eps = self.config.rms_norm_eps
         # (T, hidden) in the activations' dtype, ours: updated in place below
-        h = F.embedding(batch.input_ids, self.weights.embed).to(self.act_dtype)
+        h = self._embed(batch.input_ids)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         # h += sublayer(x) and the next norm run as one fused add + norm (add_rms_norm_).
         x = rms_norm(h, self.layers[0].input_norm, eps)
@@ -120,6 +121,16 @@ class LlamaModel:
             else:
                 h += mlp  # the final norm runs in logits(), on the rows that need it
         return h
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' rows of the embedding table, in the activations' dtype. A quantized
+        table dequantizes only the looked-up rows, to the weights' dtype first: the values a
+        dense table of that dtype would hold."""
+        table = self.weights.embed
+        if isinstance(table, QuantizedTensor):
+            rows = table.dequantize_rows(ids, torch.float32).to(self.dtype)
+            return rows.to(device=ids.device, dtype=self.act_dtype)
+        return F.embedding(ids, table).to(self.act_dtype)
 
     def _cpp_layers_for(self, attn: AttentionBackend) -> CppDecoderLayers | None:
         """The C++ decoder loop for this backend, built on first use (None: the Python loop)."""

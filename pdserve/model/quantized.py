@@ -6,8 +6,8 @@ matmul (each weight read at its packed size) or, where that kernel does not run,
 once at load. Reference dequantization is the maintained ``gguf`` package's (ggml-org's gguf-py).
 
 Rows are output features: row ``n`` holds the ``K`` input weights of output ``n`` as whole blocks,
-so reordering or concatenating rows (the loader's Q/K un-permutation, fused QKV and gate/up
-projections) never touches a block.
+so reordering rows (the loader's Q/K un-permutation) or looking rows up (a quantized embedding
+table, dequantized row by row as tokens are embedded) never touches a block.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ class QuantizedTensor:
 
     type_name: str  # the GGML type's name, e.g. "Q4_K" (gguf.GGMLQuantizationType[type_name])
     shape: tuple[int, int]  # (N, K) in elements
-    data: np.ndarray  # (N, bytes_per_row) uint8, C-contiguous
+    # (N, bytes_per_row) uint8, C-contiguous; from a GGUF file a read-only view of its mapping
+    data: np.ndarray
 
     def __post_init__(self) -> None:
         if (
@@ -40,10 +41,22 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense ``(N, K)`` tensor, by gguf's reference dequantization."""
+        return self._dense(self.data, dtype)
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (any shape) dense, as ``ids.shape + (K,)``: an embedding lookup that
+        gathers the rows' blocks and dequantizes only them (the same values
+        :meth:`dequantize` gives those rows: every block dequantizes on its own)."""
+        index = ids.detach().cpu().reshape(-1).numpy()
+        dense = self._dense(self.data[index], dtype)
+        return dense.reshape(*ids.shape, self.shape[1])
+
+    def _dense(self, rows: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """``rows`` (whole rows of this type's blocks) by gguf's reference dequantization."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        dense = dequantize(self.data, GGMLQuantizationType[self.type_name])
+        dense = dequantize(rows, GGMLQuantizationType[self.type_name])
         return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(dtype)
 
     def take_rows(self, index: np.ndarray | torch.Tensor) -> QuantizedTensor:
@@ -53,9 +66,22 @@ class QuantizedTensor:
 
     @staticmethod
     def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
-        """Parts of one type stacked along N (a fused projection)."""
+        """Parts of one type stacked along N (a copy)."""
         names = {p.type_name for p in parts}
         if len(names) != 1 or len({p.shape[1] for p in parts}) != 1:
             raise ValueError("only parts of one type and width concatenate")
         data = np.ascontiguousarray(np.concatenate([p.data for p in parts]))
         return QuantizedTensor(parts[0].type_name, (data.shape[0], parts[0].shape[1]), data)
+
+
+def stack_runs(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
+    """``parts`` with each run of consecutive same-type parts stacked into one (a fused QKV or
+    gate/up packs as one matrix per type). The stacked copies are for packing and are dropped
+    with it: the loader's parts stay views of the mapped file."""
+    runs: list[list[QuantizedTensor]] = []
+    for p in parts:
+        if runs and runs[-1][0].type_name == p.type_name:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [run[0] if len(run) == 1 else QuantizedTensor.cat_rows(run) for run in runs]

@@ -53,10 +53,11 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # (vocab, hidden), always dense (a lookup table)
+    # (vocab, hidden): dense, or (GGUF on CPUs) block-quantized, its rows dequantized as looked up
+    embed: torch.Tensor | QuantizedTensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: Projection  # (vocab, hidden); the same tensor as embed when tied and dense
+    lm_head: Projection  # (vocab, hidden); the same object as embed when tied
 
     def _weights(self) -> list[Projection]:
         weights: list[Projection] = [self.embed, self.norm]

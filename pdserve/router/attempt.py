@@ -36,6 +36,7 @@ from pdserve.router.attempt_types import (
     StreamBroken,
     build_leg_bodies,
 )
+from pdserve.router.client_stream import ClientStream
 from pdserve.router.errors import sse_error_event
 from pdserve.router.legs import LegError, PrimaryStart, WriteFn, pump_events
 from pdserve.router.migration import StreamTracker
@@ -58,9 +59,11 @@ class Attempt:
         client_request_id: str,
         path: str,
         tracker: StreamTracker | None = None,
+        client: ClientStream | None = None,
     ) -> None:
         self._env = env
         self.tracker = tracker
+        self.client = client  # keep-alive comments may have opened the client's stream
         self.plan = plan
         self.request_id = request_id  # sent to the workers; differs from the client's on retries
         self.client_request_id = client_request_id
@@ -224,6 +227,10 @@ class Attempt:
         """Send the primary's answer to the client; returns (committed, ended cleanly)."""
         status = start.response.status
         logger.debug("rid=%s: committed status=%d sse=%s", self.request_id, status, start.is_sse)
+        opened = await self.client.take() if self.client is not None else None
+        if not start.is_sse and opened is not None:  # a 2xx that is not a stream, after comments
+            await end_broken_stream(opened, "upstream answered without a stream", 1.0)
+            return Committed(opened, "stream_error"), False
         if not start.is_sse:
             await self._settle_late_prefill()
             headers = {
@@ -234,6 +241,8 @@ class Attempt:
             return Committed(response, str(status)), True
         tracker = self.tracker
         out = tracker.out if tracker is not None else None
+        if out is None:
+            out = opened  # None unless keep-alive comments opened it (status 200)
         if out is None:
             out = web.StreamResponse(
                 status=status,

@@ -130,6 +130,12 @@ def _add_timing_flags(p: argparse.ArgumentParser, d: RouterConfig) -> None:
         ("--backoff-base", d.backoff_base_s, "first retry backoff (doubles, with jitter)"),
         ("--breaker-reset", d.breaker_reset_s, "open breaker turns half-open after this"),
         ("--drain-timeout", d.drain_timeout_s, "SIGTERM: finish requests in flight this long"),
+        (
+            "--sse-keepalive-s",
+            d.sse_keepalive_s,
+            "': keep-alive' SSE comments this often while a "
+            "stream has no data yet (0: off); its workers are asked for none",
+        ),
     ]
     for flag, default, help_text in seconds:
         p.add_argument(flag, type=float, default=default, metavar="S", help=help_text)
@@ -171,6 +177,7 @@ def config_from_args(args: argparse.Namespace, env: Env | None = None) -> Router
         worker_api_key=args.worker_api_key or env.worker_api_key or next(iter(api_keys), None),
         worker_allow=tuple(args.worker_allow),
         served_model_name=args.served_model_name,
+        sse_keepalive_s=args.sse_keepalive_s,
         max_body_bytes=args.max_body_bytes or args.max_body_kb << 10,
         tls=tls_config_from_args(args),
     )

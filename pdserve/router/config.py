@@ -77,6 +77,8 @@ class RouterConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
     # --ssl-*: the router serves HTTPS; its calls to https workers verify against ca_certs.
     tls: TLSConfig = field(default_factory=TLSConfig)
+    # A stream with no data chunk yet gets ": keep-alive" comments this often (0: off).
+    sse_keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_allow", tuple(self.worker_allow))
@@ -118,6 +120,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.first_byte_timeout_s is not None and not self.first_byte_timeout_s > 0:
             raise ValueError("first_byte_timeout_s must be > 0 or None")
+        if self.sse_keepalive_s < 0:
+            raise ValueError("sse_keepalive_s must be >= 0 (0: off)")
         if self.backoff_base_s < 0 or self.max_backoff_s < 0:
             raise ValueError("backoff times must be >= 0")
 

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pdserve.keepalive import KEEPALIVE_HEADER
 from pdserve.router.config import RouterConfig
 from pdserve.router.prompt_size import count_from_reply
 from pdserve.router.workers import Worker
@@ -113,7 +114,11 @@ class UpstreamClient:
         )
 
     def headers(self, request_id: str) -> dict[str, str]:
-        return {"Content-Type": "application/json", "X-Request-Id": request_id, **self._auth}
+        # The router sends the client's keep-alives itself (router/client_stream.py).
+        return {
+            "Content-Type": "application/json", "X-Request-Id": request_id,
+            KEEPALIVE_HEADER: "0", **self._auth,
+        }  # fmt: skip
 
     async def run_prefill(self, worker: Worker, path: str, request_id: str, body: bytes) -> int:
         """Send the prefill leg and read its whole answer; returns the 2xx status.

@@ -23,6 +23,7 @@ class WorkerLoad:
 
     num_requests: int = 0
     waiting: int = 0  # queued for prefill (or re-prefill after preemption)
+    prefilling: int = 0  # prompt being prefilled
     waiting_for_kv: int = 0  # decode: pages lent to a room, KV not there yet
     running: int = 0
     waiting_prompt_tokens: int = 0  # prompt tokens queued for prefill (its backlog)
@@ -42,6 +43,7 @@ class WorkerLoad:
         names = (
             "num_requests",
             "waiting",
+            "prefilling",
             "waiting_for_kv",
             "running",
             "waiting_prompt_tokens",
@@ -59,6 +61,7 @@ class WorkerLoad:
         return cls(
             num_requests=ints["num_requests"] or 0,
             waiting=ints["waiting"] or 0,
+            prefilling=ints["prefilling"] or 0,
             waiting_for_kv=ints["waiting_for_kv"] or 0,
             running=ints["running"] or 0,
             waiting_prompt_tokens=ints["waiting_prompt_tokens"] or 0,
@@ -71,7 +74,7 @@ class WorkerLoad:
     @property
     def queued(self) -> int:
         """Requests admitted but not yet decoding."""
-        return self.waiting + self.waiting_for_kv
+        return self.waiting + self.prefilling + self.waiting_for_kv
 
 
 def load_score(num_in_flight: int, load: WorkerLoad | None) -> tuple[int, int]:

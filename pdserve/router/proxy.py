@@ -26,6 +26,7 @@ from pdserve.router.attempt_types import (
     build_leg_bodies,
 )
 from pdserve.router.cache_aware import CacheAwareConfig, routing_text
+from pdserve.router.client_stream import ClientStream
 from pdserve.router.config import WORKER_ROLES, RouterConfig
 from pdserve.router.errors import error_response
 from pdserve.router.legs import UpstreamClient
@@ -52,6 +53,7 @@ class RequestCtx:
     outcome: str = "499"  # stats label; stays 499 if the client leaves
     tracker: StreamTracker | None = None  # a stream that may migrate (migration on)
     owner: str = ANONYMOUS  # the tag of the client key that started it (pdserve/auth.py)
+    client: ClientStream | None = None  # keep-alive comments until the first data chunk
 
     def attempt_body(self) -> tuple[dict[str, Any], bytes]:
         """The body of the next attempt: the client's, or a migrated stream's continuation."""
@@ -180,6 +182,8 @@ class Dispatcher:
                 self._count_disconnect(ctx, "connection lost")
             raise
         finally:
+            if ctx.client is not None:
+                await ctx.client.take()  # no comment after the end
             del self._active[request_id]
             if not self._active:
                 self._idle.set()
@@ -197,6 +201,9 @@ class Dispatcher:
         if shed is not None:
             ctx.outcome = "429"
             return shed
+        if self._config.sse_keepalive_s > 0 and ctx.body.get("stream") is True:
+            ctx.client = ClientStream(request, ctx.request_id, self._config.sse_keepalive_s)
+            ctx.client.start()
         last: AttemptFailed | None = None
         excluded: set[str] = set()
         key = routing_text(ctx.body)  # the prompt's start, for prefix-affine policies
@@ -221,7 +228,9 @@ class Dispatcher:
                 continue
             # A retry gets its own id so a worker still tearing down the old one is not confused.
             rid = ctx.request_id if attempt_no == 0 else f"{ctx.request_id[:120]}.{attempt_no}"
-            ctx.attempt = Attempt(self._env, plan, rid, ctx.request_id, ctx.path, ctx.tracker)
+            ctx.attempt = Attempt(
+                self._env, plan, rid, ctx.request_id, ctx.path, ctx.tracker, ctx.client
+            )
             body, raw_body = ctx.attempt_body()
             try:
                 committed = await ctx.attempt.run(request, body, raw_body, ctx.started)
@@ -248,7 +257,14 @@ class Dispatcher:
             await end_broken_stream(ctx.tracker.out, reason, self._config.abort_timeout_s)
             ctx.outcome = "stream_error"
             return ctx.tracker.out
-        return self._failure_response(ctx, last)
+        response = self._failure_response(ctx, last)
+        client = ctx.client
+        if client is not None and await client.take() is not None:
+            # Comments opened the stream: the error (one line of JSON) goes as an event.
+            body = response.body if isinstance(response.body, bytes) else b"{}"
+            event = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+            return await client.end_with_error(event, self._config.abort_timeout_s)
+        return response
 
     def _may_migrate(self, ctx: RequestCtx, broken: StreamBroken) -> bool:
         """Count a migration of a broken stream, unless its limit is reached."""

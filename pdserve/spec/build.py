@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdserve.engine.config import EngineConfig
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.model_runner import ModelRunner
 from pdserve.spec.config import SpeculativeConfig
 from pdserve.spec.draft import DraftProposer
 from pdserve.spec.proposer import NgramProposer, Proposer
 from pdserve.spec.speculator import Speculator
+
+
+def speculator_for(
+    engine: EngineConfig, runner: ModelRunner, allocator: PageAllocator, max_model_len: int
+) -> Speculator | None:
+    """The engine's speculator; None without speculation, and on the prefill role (it runs no
+    decode steps)."""
+    if engine.speculative is None or engine.role == "prefill":
+        return None
+    return build_speculator(engine.speculative, runner, allocator, max_model_len)
 
 
 def build_speculator(

@@ -44,3 +44,26 @@ async def test_a_tokenizer_without_tokenizer_json_refuses_by_field() -> None:
     with pytest.raises(ApiError) as info:
         await service.matchers(Constraint(GrammarSpec("json_object"), "response_format"), 1)
     assert info.value.status == 400 and info.value.param == "response_format"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+async def test_a_tool_schema_that_cannot_compile_is_a_400_naming_the_function(
+    tokenizer: Tokenizer, choice: object
+) -> None:
+    from pdserve.api.config import ApiConfig
+    from pdserve.api.tools import parse_tools
+
+    good = {"type": "object", "properties": {"x": {"type": "string"}}}
+    bad = {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}
+    tools = [
+        {"type": "function", "function": {"name": "good", "parameters": good}},
+        {"type": "function", "function": {"name": "bad", "parameters": bad}},
+    ]
+    config = parse_tools({"tools": tools, "tool_choice": choice}, ApiConfig("m"))
+    assert config is not None
+    constraint = config.constraint()
+    assert constraint is not None
+    with pytest.raises(ApiError) as info:
+        await GrammarService(tokenizer).matchers(constraint, 1)
+    assert info.value.status == 400 and info.value.param == "tools[1].function.parameters"
+    assert "function 'bad'" in info.value.message and "missing" in info.value.message

@@ -124,7 +124,7 @@ async def test_tool_calls_are_parsed_from_the_answer_after_the_thinking(demo_dir
         assert status == 200, raw
         if stream:
             deltas = _streamed(raw)[2]
-            calls = [c for d in deltas for c in d.get("tool_calls") or []]
+            calls = _accumulated_calls(deltas)
             assert "".join(d.get("reasoning_content") or "" for d in deltas) == "\n\n"
         else:
             message = orjson.loads(raw)["choices"][0]["message"]
@@ -132,6 +132,19 @@ async def test_tool_calls_are_parsed_from_the_answer_after_the_thinking(demo_dir
             assert message["reasoning_content"] == "\n\n"
         assert [c["function"]["name"] for c in calls] == ["get_weather"]
         assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def _accumulated_calls(deltas: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas put together as the openai client does: the first delta of an
+    index names the function, later ones append to its arguments."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        for part in delta.get("tool_calls") or []:
+            call = calls.setdefault(part["index"], {"function": {"name": "", "arguments": ""}})
+            function = part.get("function") or {}
+            call["function"]["name"] += function.get("name") or ""
+            call["function"]["arguments"] += function.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
 
 
 async def test_include_reasoning_false_leaves_the_thinking_out(demo_dir) -> None:

@@ -1,15 +1,15 @@
-"""Tools: validation of tools / tool_choice, the enforcing schemas, and output parsing."""
+"""Tools: validation of tools / tool_choice and the enforcing schemas (parsing the output:
+tests/api/tool_parsers)."""
 
 from __future__ import annotations
 
 import json
 
-import orjson
 import pytest
 
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import ApiError
-from pdserve.api.tools import ToolConfig, may_start_call, parse_tool_calls, parse_tools
+from pdserve.api.tools import ToolConfig, parse_tools
 
 CONFIG = ApiConfig(served_model_name="m")
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -62,57 +62,14 @@ def test_required_and_named_choices_are_enforced_by_a_schema() -> None:
     assert _config().constraint() is None
     named = _config({"type": "function", "function": {"name": "weather"}}).constraint()
     assert named is not None and json.loads(named.spec.source) == PARAMS
+    assert named.param == "tools[0].function.parameters" and "weather" in named.label
     required = _config("required", parallel_tool_calls=False).constraint()
     schema = json.loads(required.spec.source)
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     names = [b["properties"]["name"]["const"] for b in schema["items"]["anyOf"]]
     assert names == ["weather", "time"]
-
-
-def test_hermes_calls_are_parsed_with_the_content_before_them() -> None:
-    text = (
-        'Let me check.<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n'
-        '</tool_call>\n<tool_call>{"name": "time", "arguments": {}}</tool_call>'
-    )
-    content, calls = parse_tool_calls(text, _config())
-    assert content == "Let me check."
-    assert [(c.name, orjson.loads(c.arguments)) for c in calls] == [
-        ("weather", {"city": "Oslo"}),
-        ("time", {}),
+    # Each tool's schema alone too: a compile error names the one that fails.
+    assert [p.param for p in required.parts] == [
+        "tools[0].function.parameters",
+        "tools[1].function.parameters",
     ]
-    assert len({c.id for c in calls}) == 2
-
-
-def test_llama3_json_calls_are_parsed() -> None:
-    text = '<|python_tag|>{"name": "weather", "parameters": {"city": "Rome"}}'
-    content, calls = parse_tool_calls(text, _config())
-    assert content is None and calls[0].name == "weather"
-    assert orjson.loads(calls[0].arguments) == {"city": "Rome"}
-    _, two = parse_tool_calls(
-        '{"name": "time", "parameters": {}}; {"name": "weather", "parameters": {"city": "x"}}',
-        _config(),
-    )
-    assert [c.name for c in two] == ["time", "weather"]
-
-
-def test_text_that_is_no_call_stays_content() -> None:
-    for text in ("plain words", '{"name": "unknown", "parameters": {}}', "<tool_call>{broken"):
-        assert parse_tool_calls(text, _config()) == (text, [])
-
-
-def test_required_output_is_a_json_array_of_calls() -> None:
-    text = '[{"name": "weather", "parameters": {"city": "Lima"}}]'
-    content, calls = parse_tool_calls(text, _config("required"))
-    assert content is None and calls[0].name == "weather"
-    named = _config({"type": "function", "function": {"name": "weather"}})
-    assert parse_tool_calls('{"city":"Lima"}', named)[1][0].arguments == '{"city":"Lima"}'
-
-
-def test_streaming_holds_text_only_from_where_a_call_may_start() -> None:
-    auto = _config()
-    assert may_start_call("Hello there", auto) == len("Hello there")
-    assert may_start_call("Hello <tool", auto) == len("Hello ")
-    assert may_start_call("Hi <tool_call>{", auto) == 3
-    assert may_start_call('  {"name"', auto) == 0
-    assert may_start_call("<|python", auto) == 0
-    assert may_start_call("x", _config("required")) == 0

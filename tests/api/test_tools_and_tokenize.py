@@ -61,7 +61,9 @@ async def test_streamed_tool_call_deltas_assemble_in_the_openai_client(oai: Asyn
         final = await stream.get_final_completion()
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert "".join(contents) == "[tools=1]<user>Sure. "  # streamed before the call began
+    # Streamed before the call began (the space next to the call is dropped, as unstreamed).
+    assert "".join(contents) == "[tools=1]<user>Sure."
+    assert final.choices[0].message.content == "[tools=1]<user>Sure."
     (call,) = choice.message.tool_calls
     assert call.function.name == "weather"
     assert json.loads(call.function.arguments) == {"city": "Oslo"}

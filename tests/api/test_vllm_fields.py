@@ -234,3 +234,15 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens(client: Any, engine:
     assert status == 200, raw
     assert engine.requests[-1].prompt_token_ids == [101, 102]
     assert orjson.loads(raw)["usage"]["prompt_tokens"] == 2
+
+
+async def test_priority_reaches_the_engine_and_a_non_integer_is_refused_by_name(
+    client: Any, engine: Any
+) -> None:
+    status, raw = await _post(client, "/v1/completions", completion_body("ab", priority=-5))
+    assert status == 200, raw
+    assert engine.requests[-1].priority == -5
+    for bad in ("high", 1.5, True, [1]):
+        status, raw = await _post(client, "/v1/chat/completions", chat_body(priority=bad))
+        assert status == 400, (bad, raw)
+        assert_openai_error(orjson.loads(raw), "priority")

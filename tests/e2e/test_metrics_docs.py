@@ -86,6 +86,13 @@ def test_every_exported_metric_is_documented(exported: dict[str, set[str]]) -> N
     assert not any(undocumented.values()), f"undocumented metrics: {undocumented}"
 
 
+def test_workers_export_their_resident_memory(exported: dict[str, set[str]]) -> None:
+    for name in ("prefill-0", "decode-0"):
+        assert "process_resident_memory_bytes" in exported[name], name
+    operations = (REPO / "docs/operations.md").read_text()
+    assert "`process_resident_memory_bytes`" in operations
+
+
 def _covered(name: str, documented: set[str]) -> bool:
     # prometheus-client's own companion of a counter or histogram (the docs say so once).
     base = name.removesuffix("_created")

@@ -276,7 +276,8 @@ async def test_logs_explain_a_routed_room_life_on_both_sides(cluster: Cluster):
         assert re.search(rf"req={rid} room={room} \w+ -> running reason=kv received",
                          decode.log_text())  # fmt: skip
         for step in (
-            "waiting -> prefill_inflight reason=prefilled",
+            "waiting -> prefilling reason=prefill starts",
+            "prefilling -> prefill_inflight reason=prefilled",
             "prefill_inflight -> finished",
         ):
             assert f"req={rid} room={room} {step}" in prefill.log_text()

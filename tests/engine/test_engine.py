@@ -10,6 +10,7 @@ import pytest
 from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.engine import Engine
 from pdserve.engine.protocol import EngineError, GenerateOutput, GenerateRequest
+from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
@@ -133,11 +134,19 @@ async def test_consumer_that_goes_away_aborts_its_request(runner: ModelRunner):
 
 
 async def test_queue_deadline_fails_waiting_request_with_504(runner: ModelRunner):
-    engine = await started(runner, deadlines=RequestDeadlines(waiting_s=0.0))
+    """A request that never gets a prefill slot (the only row is taken) times out waiting."""
+    engine = await started(
+        runner, deadlines=RequestDeadlines(waiting_s=0.2),
+        scheduler=SchedulerConfig(max_num_seqs=1),
+    )  # fmt: skip
     try:
+        busy = engine.generate(GenerateRequest("busy", [1], SamplingParams(max_tokens=10_000)))
+        await asyncio.wait_for(anext(busy), 10.0)  # it holds the one row
         with pytest.raises(EngineError) as err:
             await collect(engine, "t", [1, 2, 3], max_tokens=4)
-        assert err.value.status == 504 and "waiting" in err.value.message
+        assert err.value.status == 504 and err.value.code == "timeout:waiting"
+        assert "state waiting" in err.value.message
+        await busy.aclose()
         await assert_idle(engine)
     finally:
         await engine.stop()

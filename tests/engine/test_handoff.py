@@ -53,6 +53,7 @@ def test_prefilled_pages_go_to_the_sender_with_the_steps_kv_marker() -> None:
     handoff = PrefillHandoff(engine, sender)  # type: ignore[arg-type]
     seq = Sequence("r", [1, 2, 3], 3, SamplingParams(), [4, 5])
     req = Request("r", seq, KVTransferParams("room", "127.0.0.1", 1))
+    assert req.move(RequestState.PREFILLING, "prefill starts")
     marker = _Marker()
     assert handoff.on_prefilled(req, 9, None, marker)
     (args,) = sender.sent
@@ -217,3 +218,39 @@ async def test_the_decode_role_runs_at_most_max_num_seqs_at_once(runner: ModelRu
 
 async def _drain(gen) -> list:  # noqa: ANN001
     return [o async for o in gen]
+
+
+async def test_the_priority_policy_lends_pages_to_the_decode_rooms_in_priority_order(
+    runner: ModelRunner,
+):
+    sched = SchedulerConfig(policy="priority")
+    engine = Engine(EngineConfig(role="decode", scheduler=sched), runner, incarnation="test")
+    receiver = FakeReceiver()
+    receiver.engine = engine
+    engine.attach_handoff(DecodeHandoff(engine, receiver))
+    await engine.start()
+    try:
+        blocker = Request("old", Sequence("old", [1, 2, 3], 3, SamplingParams()))
+        engine.scheduler.waiting.append(blocker)  # lends nothing while it waits
+        gens = []
+        for rid, priority in (("low", 10), ("mid", 5), ("high", 0)):
+            req = request(rid, [4, 5, 6])
+            req.priority = priority
+            gens.append(engine.generate(req))
+        tasks = [asyncio.create_task(anext(g)) for g in gens]
+        deadline = asyncio.get_running_loop().time() + 10
+        while engine.count_by_state()["waiting_for_kv"] < 3:  # all admitted
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.001)  # poll with a deadline
+        engine.scheduler.waiting.clear()
+        engine.handoff.on_pages_freed()
+        rooms = [await asyncio.wait_for(receiver.opened.get(), 10) for _ in range(3)]
+        assert [r.room_id for r in rooms] == ["high", "mid", "low"]
+        for room in rooms:
+            receiver.succeed(room, 7)
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        for g in gens:
+            await g.aclose()
+        await assert_idle(engine)
+    finally:
+        await engine.stop()

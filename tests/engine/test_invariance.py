@@ -1,12 +1,13 @@
 """A token's result never depends on its batch mates, its prompt's chunking or the prefix cache,
 at the dtype users serve (the demo checkpoint is bf16: float32 activations over bf16 weights and
 a bf16 KV cache). Greedy and seeded tokens and their logprobs are compared bit for bit against
-the same request run alone, uncached and unchunked."""
+the same request run alone, uncached and unchunked; a stream preempted for a request of higher
+priority and resumed gives the same trace too."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,48 @@ def test_property_any_cache_state_budget_and_batch_mates_give_the_alone_trace(
 
     expected, got = asyncio.run(both())
     assert got == expected
+
+
+@pytest.fixture(scope="module")
+def tight_runner(demo_dir: Path) -> ModelRunner:
+    """18 pages of 4 tokens: a 70-token stream and a 48-token prompt cannot both hold theirs."""
+    return ModelRunner(RunnerConfig(str(demo_dir), page_size=PAGE, num_pages=18))
+
+
+@pytest.mark.parametrize("seed", [None, 77])
+async def test_a_stream_preempted_for_a_higher_priority_one_resumes_with_the_same_trace(
+    tight_runner: ModelRunner, seed: int | None
+) -> None:
+    """Under the priority policy a priority-0 prompt that finds no pages preempts the running
+    priority-10 stream (its KV freed, full pages left cached); that stream is prefilled again
+    over its prompt and generated tokens later and goes on with exactly the alone trace."""
+    low_ids, high_ids = prompt(30, 21), prompt(48, 22)
+    low_params = params(seed)
+    low_params.max_tokens = 40
+    expected = await run(tight_runner, [(low_ids, seed)], budget=10_000, caching=False)
+    assert len(expected[0]) == NUM_TOKENS  # run() uses params(): the first 10 tokens alone
+    sched = SchedulerConfig(policy="priority")
+    engine = Engine(EngineConfig(scheduler=sched), tight_runner, incarnation="test")
+    await engine.start()
+    try:
+        alone_engine_trace = trace(
+            [o async for o in engine.generate(GenerateRequest("solo", low_ids, low_params))]
+        )
+        low_params = params(seed)
+        low_params.max_tokens = 40
+        low = engine.generate(GenerateRequest("low", low_ids, low_params, priority=10))
+        first = await asyncio.wait_for(anext(low), 10.0)  # running, holding its pages
+        high_req = GenerateRequest("high", high_ids, params(None), priority=0)
+        high = asyncio.create_task(_collect(engine.generate(high_req)))
+        rest = await asyncio.wait_for(_collect(low), 60.0)
+        await asyncio.wait_for(high, 60.0)
+        assert engine.scheduler.stats.num_preemptions["priority"] >= 1
+        got = trace([first, *rest])
+        assert got == alone_engine_trace and got[:NUM_TOKENS] == expected[0]
+        await assert_idle(engine)
+    finally:
+        await engine.stop()
+
+
+async def _collect(gen: AsyncIterator[GenerateOutput]) -> list[GenerateOutput]:
+    return [o async for o in gen]

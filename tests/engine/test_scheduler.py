@@ -113,7 +113,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_running_rows_decode():
     long = make_req("long", 20)
     s.add(long)
     ends = []
-    while long.state is RequestState.WAITING:
+    while long.state is not RequestState.RUNNING:
         batch = s.schedule()
         assert batch.decode == [short]  # the stream goes on every step
         assert (

@@ -19,6 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from pdserve.keepalive import KEEPALIVE_HEADER
 from pdserve.router import Router, RouterConfig
 
 
@@ -46,6 +47,7 @@ class Recorded:
     path: str
     body: dict[str, Any]
     authorization: str | None
+    keepalive: str | None = None  # its X-PDServe-SSE-Keepalive header
 
 
 class FakeWorker:
@@ -66,6 +68,7 @@ class FakeWorker:
         self.fail_status: int | None = None  # answer completions with this error status
         self.fail_code: str | None = None  # ... and this OpenAI error code
         self.is_hanging = False  # completions never answer until cancelled or aborted
+        self.hold: asyncio.Event | None = None  # completions answer once it is set (slow prefill)
         self.kv_wait_timeout_s = 5.0
         self.gate: asyncio.Semaphore | None = None  # each chunk after the first waits on it
         self.die_after_chunks: int | None = None  # drop the connection after N chunks
@@ -179,8 +182,9 @@ class FakeWorker:
         body = orjson.loads(await request.read())
         rid = request.headers.get("X-Request-Id", "no-rid")
         self.requests.append(
-            Recorded(rid, request.path, body, request.headers.get("Authorization"))
-        )
+            Recorded(rid, request.path, body, request.headers.get("Authorization"),
+                     request.headers.get(KEEPALIVE_HEADER))
+        )  # fmt: skip
         aborted = self._abort_events.setdefault(rid, asyncio.Event())
         try:
             return await self._answer(request, rid, body, aborted)
@@ -196,6 +200,8 @@ class FakeWorker:
         if self.is_hanging:
             await aborted.wait()
             return _error(503, "aborted while hanging")
+        if self.hold is not None:
+            await self.hold.wait()
         if self.fail_status is not None:
             return _error(self.fail_status, f"told to fail with {self.fail_status}", self.fail_code)
         kv = body.get("kv_transfer_params")

@@ -236,3 +236,19 @@ async def test_prompt_scoring_goes_to_one_decode_that_prefills_it(make_worker, m
     status, _ = await post(router, {**CHAT, "stream": False})  # the rest still goes PD
     assert status == 200 and len(prefill.requests) == 1
     assert router.stats.num_decode_fallbacks == 0
+
+
+async def test_priority_reaches_both_legs_of_every_attempt(make_worker, make_router):
+    """The router has no queue of its own (its admission answers at once): the workers order
+    their queues by the client's ``priority``, which every leg carries as sent."""
+    bad, good = await make_worker("prefill"), await make_worker("prefill")
+    decode = await make_worker("decode")
+    bad.fail_status = 503
+    router = await make_router(
+        prefill_urls=(bad.url, good.url), decode_urls=(decode.url,), max_attempts=3,
+        policy="round_robin",
+    )  # fmt: skip
+    status, _ = await post(router, {**CHAT, "stream": True, "priority": -7}, rid="pr-1")
+    assert status == 200
+    legs = bad.requests + good.requests + decode.requests
+    assert len(legs) == 4 and all(r.body["priority"] == -7 for r in legs)

@@ -20,6 +20,12 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# The GGML types pdserve runs: dense ones, and the block types the quantized CPU matmul reads
+# (pdserve.kernels.quant_gemm.SUPPORTED_TYPES, kept equal by a test; named here so the
+# launcher's check needs no torch). Any other type is refused at load, by name.
+SUPPORTED_GGML_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
 # The dtype a file's dense matrices are stored in, by GGML type name.
 _DENSE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -34,6 +40,7 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         )
     if "token_embd.weight" not in f.tensors:
         raise ModelDirError(f"{f.path.name}: no token_embd.weight tensor")
+    check_tensor_types(f)
     hidden = int(f.arch_value("embedding_length"))
     num_heads = int(f.arch_value("attention.head_count"))
     head_dim = int(f.arch_value("attention.key_length", 0) or hidden // num_heads)
@@ -58,6 +65,19 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         eos_token_ids=frozenset(stop_token_ids(f)),
         bos_token_id=_int_or_none(f.value("tokenizer.ggml.bos_token_id", None)),
     )
+
+
+def check_tensor_types(f: GGUFFile) -> None:
+    """Refuses a file holding a tensor type pdserve cannot run, naming the tensor and the type
+    (from the tensor table alone: before any weight is read)."""
+    for name, t in f.tensors.items():
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_GGML_TYPES:
+            raise ModelDirError(
+                f"{f.path.name}: tensor {name!r} is stored as {kind}, a GGML type pdserve "
+                f"cannot run; supported: {', '.join(SUPPORTED_GGML_TYPES)} (re-quantize the "
+                "file to one of them, e.g. llama-quantize --allow-requantize IN OUT Q4_K_M)"
+            )
 
 
 def stored_dtype(f: GGUFFile) -> str | None:

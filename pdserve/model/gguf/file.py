@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -10,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 from pdserve.model.config import ModelDirError
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
+    from gguf import ReaderTensor
+
+    from pdserve.model.gguf.reader import FastGGUFReader
 
 GGUF_SUFFIX = ".gguf"
 _SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
@@ -38,10 +41,10 @@ class GGUFFile:
     def __init__(self, path: Path) -> None:
         if _SHARD.search(path.name):
             raise ModelDirError(f"{path.name}: split (multi-file) GGUF files are not supported")
-        from gguf import GGUFReader
+        from pdserve.model.gguf.reader import FastGGUFReader
 
         try:
-            self.reader: GGUFReader = GGUFReader(path)
+            self.reader: FastGGUFReader = FastGGUFReader(path)
         except (ValueError, OSError) as e:
             raise ModelDirError(f"{str(path)!r} is not a readable GGUF file: {e}") from e
         self.path = path
@@ -50,6 +53,8 @@ class GGUFFile:
 
     def value(self, key: str, default: Any = _MISSING) -> Any:
         """The metadata value under ``key`` (arrays as lists); ``default`` where absent."""
+        if key in self.reader.arrays:
+            return self.reader.arrays[key]
         field = self.reader.fields.get(key)
         if field is None:
             if default is _MISSING:
@@ -60,6 +65,14 @@ class GGUFFile:
     def arch_value(self, suffix: str, default: Any = _MISSING) -> Any:
         """The architecture's own key, e.g. ``llama.block_count`` for ``block_count``."""
         return self.value(f"{self.architecture}.{suffix}", default)
+
+    def release_pages(self) -> None:
+        """Drops the mapped file's pages from this process's resident set (the packed panels
+        are built, so nothing reads most of them again); views stay valid and fault back in the
+        pages they read (the embedding rows looked up), shared with the page cache."""
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     @property
     def model_name(self) -> str:
@@ -85,3 +98,9 @@ def open_gguf(path: str | Path) -> GGUFFile:
     large vocabulary takes seconds to read)."""
     resolved = Path(path).resolve()
     return _open(resolved, resolved.stat().st_mtime_ns)
+
+
+def forget_parsed_files() -> None:
+    """Drops the cached parses (their metadata lists and tensor table): the launcher after its
+    config check, a worker once its model is built; tensors still in use keep their mapping."""
+    _open.cache_clear()

@@ -82,20 +82,19 @@ class _GGUFTensors:
         return packed.dequantize(torch.float32).to(dtype=self.dtype, device=self.device)
 
     def _packed(self, t, shape: tuple[int, ...]) -> QuantizedTensor:  # noqa: ANN001
-        # A copy: the reader's arrays are read-only views of the mapped file.
-        data = np.array(t.data, dtype=np.uint8).reshape(shape[0], -1)
+        # No copy: a read-only view of the mapped file. The kernel packs its panels from it,
+        # an embedding lookup reads its rows; the file's bytes are in memory once.
+        data = t.data.reshape(shape[0], -1)
         return QuantizedTensor(t.tensor_type.name, (shape[0], shape[1]), data)
 
     def fused(self, parts: list[Matrix]) -> Projection:
-        """Row-stacked parts (QKV, gate/up): one dense or quantized matrix where they share a
-        storage type, else the list of quantized parts (the matmul runs each); a dense part
-        beside quantized ones becomes an F32 "quantized" part (exact for F16/BF16/F32)."""
+        """Row-stacked parts (QKV, gate/up): one dense matrix where all are dense, else the list
+        of quantized parts, uncopied (the kernel runs them in one call, or they are dequantized
+        and stacked); a dense part beside quantized ones becomes an F32 "quantized" part (exact
+        for F16/BF16/F32)."""
         if all(isinstance(p, torch.Tensor) for p in parts):
             return torch.cat(parts, dim=0)  # type: ignore[arg-type]
-        quantized = [p if isinstance(p, QuantizedTensor) else _as_f32_part(p) for p in parts]
-        if len({p.type_name for p in quantized}) == 1:
-            return QuantizedTensor.cat_rows(quantized)
-        return quantized
+        return [p if isinstance(p, QuantizedTensor) else _as_f32_part(p) for p in parts]
 
 
 def _layer(src: _GGUFTensors, cfg: ModelConfig, i: int, is_llama: bool) -> LayerWeights:
@@ -149,10 +148,15 @@ def load_gguf_weights(
     on_cuda = torch.device(device).type == "cuda"
     src = _GGUFTensors(f, dtype, device, dequantize=on_cuda)
     vocab_shape = (config.vocab_size, config.hidden_size)
-    embed = src.dense("token_embd.weight", vocab_shape)
+    # CPUs look a quantized table's rows up packed (no dense copy: the 1.5B's would be 933 MB
+    # of float32); CUDA looks them up in a dense table on the device.
+    embed: Matrix = (
+        src.dense("token_embd.weight", vocab_shape)
+        if on_cuda
+        else src.matrix("token_embd.weight", vocab_shape)
+    )
     if config.tie_word_embeddings:
-        head = src.matrix("token_embd.weight", vocab_shape)
-        lm_head = embed if isinstance(head, torch.Tensor) else head
+        lm_head: Projection = embed  # the packed matmul where the table is quantized
     else:
         lm_head = src.matrix("output.weight", vocab_shape)
     is_llama = f.architecture == "llama"

@@ -107,13 +107,14 @@ def test_quantized_projections_stay_packed_and_count_their_packed_bytes(
     # dense part as float32 (exact).
     assert [p.type_name for p in layer.qkv] == ["Q4_1", "Q4_1", "Q8_0"]  # type: ignore[union-attr]
     assert [p.type_name for p in layer.gate_up] == ["Q4_1", "F32"]  # type: ignore[union-attr]
+    # The embedding table too stays packed (its rows are dequantized as they are looked up).
+    assert isinstance(weights.embed, QuantizedTensor) and weights.embed.type_name == "Q4_1"
     reader = GGUFReader(path)
-    file_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight")
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     file_bytes += sum(
         int(t.n_elements) * 2 for t in reader.tensors if t.tensor_type.name == "F16"
     )  # the F16 part is held as float32: twice its file size
-    embed = weights.embed.numel() * weights.embed.element_size()  # the lookup table is dense
-    assert weights.num_bytes == file_bytes + embed
+    assert weights.num_bytes == file_bytes
     # Running, 4-bit projections take well under float32 ones' memory.
     dense = _runner(demo_gguf(demo_dir, tmp_path / "f32", "F32"))
     assert runner.model.weights.num_bytes < 0.6 * dense.model.weights.num_bytes

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
-from gguf.quants import quantize
+from gguf.quants import quant_shape_to_byte_shape, quantize
 from safetensors.torch import load_file
 
 _ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -140,7 +140,12 @@ def _encode(data: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
         return np.ascontiguousarray(data)
     if kind == GGMLQuantizationType.F16:
         return data.astype(np.float16)
-    return quantize(data, kind)
+    try:
+        return quantize(data, kind)
+    except NotImplementedError:
+        # A type gguf cannot quantize (Q2_K, IQ4_XS, ...): blocks of zeros of its size, for
+        # files that must be refused before any value is read.
+        return np.zeros(quant_shape_to_byte_shape(data.shape, kind), dtype=np.uint8)
 
 
 def write_sentencepiece_vocab_gguf(out: Path, text: str, vocab_size: int = 800) -> Path:
