@@ -234,6 +234,10 @@ class LlamaServer(ReferenceServer):
     context_len: int = 8192  # -c: shared by the slots (1024 tokens each)
     num_threads: int = 2
     prompt_caching: bool = False
+    # Speculation (issue 29's anchor): --spec-type draft-simple with a draft, or ngram-simple.
+    spec_type: str | None = None
+    model_draft: Path | None = None
+    draft_max: int | None = None
     jinja: bool = False  # --jinja: the model's own chat template, which tool calls need
     log_path: Path = field(
         default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-llamacpp-")) / "server.log"
@@ -253,6 +257,12 @@ class LlamaServer(ReferenceServer):
             "-t", str(self.num_threads), "--host", "127.0.0.1", "--port", str(self.port),
             "--alias", self.served_model_name, "--no-webui",
         ]  # fmt: skip
+        if self.spec_type:
+            argv += ["--spec-type", self.spec_type]
+        if self.model_draft is not None:
+            argv += ["--model-draft", str(self.model_draft)]
+        if self.draft_max is not None:
+            argv += ["--spec-draft-n-max", str(self.draft_max)]
         argv += ["--jinja"] if self.jinja else []
         # Off: neither the slot's own prompt reuse nor the host-memory prompt cache.
         return argv + ([] if self.prompt_caching else ["--no-cache-prompt", "--cache-ram", "0"])

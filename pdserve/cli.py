@@ -20,6 +20,7 @@ from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
 from pdserve.envs import quiet_nixl_logs
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
 from pdserve.reasoning.parser import PARSERS
+from pdserve.spec.cli import add_speculative_args
 from pdserve.tls import add_tls_args
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_speculative_args(p)
     add_device_args(p, DEFAULT_GPU_MEMORY_UTILIZATION)
     p.add_argument("--role", default="colocated", choices=["prefill", "decode", "colocated"])
     p.add_argument("--host", default="127.0.0.1")

@@ -15,6 +15,7 @@ from pdserve.identity import advertise_host, default_engine_id
 from pdserve.model_runner import RunnerConfig
 from pdserve.registration import RegistrationConfig
 from pdserve.server import ServerConfig
+from pdserve.spec.cli import speculative_config_from_args
 from pdserve.tls import TLSConfig, tls_config_from_args
 from pdserve.transport import FaultPlan, TransportConfig
 
@@ -66,6 +67,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         model_name=model_name,
         engine_id=engine_id,
         scheduler=scheduler_config_from_args(args),
+        speculative=speculative_config_from_args(args),
         deadlines=RequestDeadlines(
             waiting_s=args.timeout_queue,
             prefill_progress_s=args.timeout_prefill_progress,

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.stats import EngineObserver
+from pdserve.spec.metrics import spec_metrics
 from pdserve.transport.observer import TransferObserver
 
 if TYPE_CHECKING:
@@ -169,6 +170,9 @@ class EngineCollector:
         yield from _prefix_cache_metrics(role, self.engine)
         yield from self._ages(role)
         yield from _runner_metrics(role, self.engine.runner)
+        speculator = self.engine.steps.speculator
+        if speculator is not None:
+            yield from spec_metrics(role, speculator.stats)
         lease = self.engine.cpu_lease
         if lease is not None:
             yield from _lease_metrics(role, lease.stats)

@@ -339,6 +339,14 @@ class ModelRunner:
         batch, last_rows = self._extend_batch(seqs, [])
         return self.model.logits(self._forward(batch)[last_rows])
 
+    def extend_logits(self, seqs: list[Sequence]) -> tuple[torch.Tensor, KVReady]:
+        """Float32 logits of every uncached row of ``seqs`` (packed in order; speculation's
+        verify step: pdserve.spec.verify), and the marker of their K/V writes."""
+        self._check_seqs(seqs, is_decode=False)
+        self._use_threads(self.prefill_threads)
+        hidden = self._forward(self._extend_batch(seqs, [])[0])
+        return self.model.logits(hidden), record_kv_ready(self.device)
+
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` after each sequence's last token; writes its K/V."""
         self._check_seqs(seqs, is_decode=True)

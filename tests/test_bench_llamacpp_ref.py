@@ -337,3 +337,17 @@ async def test_fidelity_asks_llama_server_for_greedy_token_ids_on_the_same_promp
     got = await fidelity.llamacpp_greedy(tmp_path / "m.Q4_1.gguf", [[5, 6, 7], [9]], 4)
     assert got == [[7, 6, 5, 0], [9, 0, 0, 0]]  # n tokens each, in the server's order
     assert fidelity.score("llama.cpp", got, [[7, 6, 1, 1], [9, 0, 0, 0]]).mean_agreeing_tokens == 3
+
+
+def test_llama_server_argv_carries_the_speculation_flags(tmp_path: Path) -> None:
+    plain = LlamaServer(tmp_path / "llama-server", tmp_path / "t.gguf", 1234).argv()
+    assert "--spec-type" not in plain and "--model-draft" not in plain
+    draft = LlamaServer(
+        tmp_path / "llama-server", tmp_path / "t.gguf", 1234, spec_type="draft-simple",
+        model_draft=tmp_path / "d.gguf", draft_max=4,
+    ).argv()  # fmt: skip
+    assert draft[draft.index("--spec-type") + 1] == "draft-simple"
+    assert draft[draft.index("--model-draft") + 1] == str(tmp_path / "d.gguf")
+    assert draft[draft.index("--spec-draft-n-max") + 1] == "4"
+    ngram = LlamaServer(tmp_path / "s", tmp_path / "t.gguf", 1, spec_type="ngram-simple").argv()
+    assert ngram[ngram.index("--spec-type") + 1] == "ngram-simple"

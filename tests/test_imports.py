@@ -135,9 +135,9 @@ LOWER = {
 }  # fmt: skip
 SERVING = {
     "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher",
-    "launcher_args", "llm", "metrics", "registration", "router", "server",
+    "launcher_args", "llm", "metrics", "registration", "router", "server", "spec",
 }  # fmt: skip
-WORKER = {"api", "engine", "llm", "registration", "server"}  # never the router's code
+WORKER = {"api", "engine", "llm", "registration", "server", "spec"}  # never the router's code
 
 
 def layering_violations(graph: dict[str, set[str]]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.spec.config import SpeculativeConfig
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -50,6 +51,7 @@ class EngineConfig:
     engine_id: str = "engine-0"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     deadlines: RequestDeadlines = field(default_factory=RequestDeadlines)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -55,9 +55,12 @@ class OutputState:
         grammar = self.seq.grammar
         return grammar is not None and grammar.is_done
 
-    def _is_length_end(self) -> bool:
+    def _is_length_end(self, num_generated: int | None = None) -> bool:
+        """``num_generated``: the count at the end of the delta being built (a speculative
+        run's later tokens may already be in the sequence); None: the sequence's."""
         seq = self.seq
-        return seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len
+        n = seq.num_generated if num_generated is None else num_generated
+        return n >= seq.sampling.max_tokens or seq.num_prompt_tokens + n >= self.max_model_len
 
     def update(
         self, new_ids: list[int], logprobs: list[TokenLogprob] | None = None
@@ -74,7 +77,7 @@ class OutputState:
         self._text += self._detok.step(text_ids) if text_ids else ""
         if finish is None and self._is_grammar_end():
             finish = "stop"
-        if finish is None and self._is_length_end():
+        if finish is None and self._is_length_end(self._num_sent_tokens + len(new_ids)):
             finish = "length"
         if finish is not None:
             self._text += self._detok.flush()  # the end of the stream: nothing more to wait for

@@ -12,16 +12,21 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Protocol
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.handoff import Handoff
-from pdserve.engine.protocol import EngineError, TokenLogprob
+from pdserve.engine.protocol import EngineError, EngineInfo, TokenLogprob
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.grammar.matcher import prefetch_all
+from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import KVReady
 from pdserve.kernels.prompt_logprobs import PromptLogprobs
 from pdserve.model_runner import ModelRunner, RunnerOutput
 from pdserve.reasoning.gate import grammar_sees
 from pdserve.sequence import Sequence
+from pdserve.spec.build import speculator_for
+from pdserve.spec.speculator import Speculator
+from pdserve.spec.verify import VerifyOutput
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +43,17 @@ class StepHooks(Protocol):
     """What a step's commit calls back in the engine."""
 
     handoff: Handoff | None  # attached after the engine was built
+    config: EngineConfig
+    allocator: PageAllocator
+    info: EngineInfo
 
     def emit(self, req: Request, ids: list[int], logprobs: list[TokenLogprob] | None) -> None: ...
 
     def fail(self, req: Request, error: EngineError) -> None: ...
 
     def disarm(self, req: Request) -> None: ...
+
+    def free_pages(self, pages: list[int]) -> None: ...
 
 
 class StepOutputs:
@@ -55,6 +65,10 @@ class StepOutputs:
         self.hooks = hooks
         # Deltas of the last step for requests that go on: emitted while the next step computes.
         self._deferred_emits: list[tuple[Request, int, list[TokenLogprob] | None]] = []
+        # Decode-only steps may verify drafts (pdserve.spec).
+        self.speculator: Speculator | None = speculator_for(
+            hooks.config, runner, hooks.allocator, hooks.info.max_model_len
+        )
 
     @property
     def has_deferred(self) -> bool:
@@ -65,6 +79,10 @@ class StepOutputs:
         prompt chunks' forward (:meth:`ModelRunner.mixed`): the weights are read once for both."""
         decode, prefill = seqs
         if not prefill:
+            spec = self.speculator
+            verified = spec.run(self.runner, decode) if spec is not None else None
+            if verified is not None:
+                return StepOutput(verified, None, verified.kv_ready)
             out = self.runner.decode([r.seq for r in decode])
             return StepOutput(out, None, out.kv_ready)
         if not decode:
@@ -85,8 +103,15 @@ class StepOutputs:
         :meth:`emit_deferred`, which runs once the next step is submitted. A prefill row that
         was not its prompt's last chunk only advances its cached count: its sampled token is
         discarded and never reaches the grammar or the client."""
-        if dec is not None:
+        spec = self.speculator
+        if isinstance(dec, VerifyOutput):
+            assert spec is not None
+            spec.commit(self, batch.decode, dec)
+        elif dec is not None:
             self._apply_rows(batch.decode, dec.token_ids, dec.logprobs, None, None)
+            if spec is not None:
+                # Its time is what speculating must beat; and room for the next step's drafts.
+                spec.on_plain_step(self, batch.decode, sum(self.runner.stats.last_step.values()))
         if pre is None:
             return
         done: list[Request] = []
@@ -145,6 +170,34 @@ class StepOutputs:
                 deferred.append((req, tok, lps))
         if constrained:  # one hand-off to the filler thread for the step's rows
             prefetch_all([r.seq.grammar for r in constrained if not r.is_finished])
+
+    def commit_run(
+        self, req: Request, run: list[int], logprobs: list[TokenLogprob | None] | None
+    ) -> None:
+        """Commit a verify step's run for one decode row, token by token as plain steps would:
+        the first token that ends the request (stop id, length, grammar end) ends the run
+        there and the rest is dropped; the run goes out at once then, else deferred."""
+        seq = req.seq
+        pending: list[tuple[Request, int, list[TokenLogprob] | None]] = []
+        for i, tok in enumerate(run):
+            seq.num_cached_tokens = seq.num_tokens
+            seq.token_ids.append(tok)
+            is_fed = grammar_sees(seq, tok)
+            if is_fed and seq.grammar is not None and not self.advance_grammar(req, tok):
+                return
+            lp = logprobs[i] if logprobs else None
+            pending.append((req, tok, [lp] if lp is not None else None))
+            if req.out_state.is_final(tok):
+                for _, t, lps in pending:
+                    if not req.is_finished:
+                        self.hooks.emit(req, [t], lps)
+                return
+        if seq.grammar is not None:
+            prefetch_all([seq.grammar])
+        self._deferred_emits += pending
+
+    def free_pages(self, pages: list[int]) -> None:
+        self.hooks.free_pages(pages)
 
     def advance_grammar(self, req: Request, token: int) -> bool:
         """Move the request's matcher past ``token``; a rejected token fails the request (the

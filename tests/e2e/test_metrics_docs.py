@@ -28,7 +28,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     tmp = tmp_path_factory.mktemp("metrics-docs")
     lease = ["--cpu-lease", str(tmp / "cpu.lease"), *OPTIONAL]
     pre = worker(tmp, "prefill-0", "prefill", demo_model_dir, *lease)
-    dec = worker(tmp, "decode-0", "decode", demo_model_dir, *lease)
+    dec = worker(tmp, "decode-0", "decode", demo_model_dir, *lease, "--speculative-method", "ngram")
     c = Cluster(pre, dec, router(tmp, [pre], [dec]))
     assign_distinct_ports(c.procs)
     with c.running():
