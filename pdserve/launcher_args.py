@@ -25,6 +25,7 @@ from pdserve.device import (
 from pdserve.envs import read_env
 from pdserve.reasoning.parser import PARSERS
 from pdserve.router.config import POLICY_NAMES
+from pdserve.spec.cli import add_speculative_args, speculative_worker_args
 from pdserve.tls import TLSConfig, add_tls_args, tls_config_from_args
 
 PORT_STRIDE = 10  # between two workers of one role
@@ -128,6 +129,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     add_device_args(p, utilization_default=None)
     add_tls_args(p)
+    add_speculative_args(p)
     p.add_argument("--prefill-device", type=device_arg, default=None, help="default: --device")
     p.add_argument("--decode-device", type=device_arg, default=None, help="default: --device")
     p.add_argument(
@@ -182,7 +184,8 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         ready_timeout_s=args.ready_timeout,
         extra_worker_args=tuple(worker_args(args)),
         prefill_args=role_device_args(args, prefill_device, decode_device),
-        decode_args=role_device_args(args, decode_device, prefill_device),
+        decode_args=role_device_args(args, decode_device, prefill_device)
+        + tuple(speculative_worker_args(args)),
         cpu_lease_path=default_lease_path(args.router_port) if use_lease else None,
         drain_timeout_s=args.drain_timeout,
         num_prefill=args.num_prefill,

@@ -206,3 +206,17 @@ def test_up_hands_its_tool_call_parser_to_the_workers(tmp_path) -> None:
     cfg = cluster_config_from_args(parse_args(argv))
     worker = _serve_parse(["--model", cfg.model_dir, *cfg.extra_worker_args])
     assert worker.tool_call_parser == "qwen3_coder"
+
+
+def test_up_hands_its_speculative_flags_to_the_decode_workers_only(tmp_path) -> None:
+    argv = ["--model", str(tmp_path), "--speculative-method", "ngram",
+            "--num-speculative-tokens", "3", "--no-speculative-adaptive"]  # fmt: skip
+    specs = {
+        name: argv for name, argv, _ in child_specs(cluster_config_from_args(parse_args(argv)))
+    }
+    decode = _serve_parse(specs["decode"][1:])
+    assert (decode.speculative_method, decode.num_speculative_tokens) == ("ngram", 3)
+    assert decode.speculative_adaptive is False
+    assert _serve_parse(specs["prefill"][1:]).speculative_method is None
+    plain = child_specs(cluster_config_from_args(parse_args(["--model", str(tmp_path)])))
+    assert all("--speculative-method" not in argv for _, argv, _ in plain)

@@ -50,3 +50,20 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         disable_batch_size=args.speculative_disable_batch_size,
         adaptive=args.speculative_adaptive,
     )
+
+
+def speculative_worker_args(args: argparse.Namespace) -> list[str]:
+    """The speculative flags as a worker's command line (`pdserve up` hands them to its decode
+    workers: the decode role is where a PD stream's tokens are generated); none when off."""
+    if speculative_config_from_args(args) is None:
+        return []
+    out = (
+        [] if args.speculative_method is None else ["--speculative-method", args.speculative_method]
+    )
+    out += [] if args.speculative_model is None else ["--speculative-model", args.speculative_model]
+    out += ["--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--prompt-lookup-min", str(args.prompt_lookup_min),
+            "--prompt-lookup-max", str(args.prompt_lookup_max),
+            "--speculative-disable-batch-size",
+            str(args.speculative_disable_batch_size)]  # fmt: skip
+    return out + ([] if args.speculative_adaptive else ["--no-speculative-adaptive"])
