@@ -113,8 +113,10 @@ async def run_prompts(
     prompts = prompts[:limit] if limit else prompts
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     rows = []
+    # Retries: llama-server may close a kept-alive connection between two requests, which the
+    # client sees as "Server disconnected without sending a response" before the request ran.
     async with AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S
+        base_url=f"{url}/v1", api_key="x", max_retries=2, timeout=REQUEST_TIMEOUT_S
     ) as client:
         for item in prompts:
             whole, streamed = await ask(client, model, tools, item["prompt"], max_tokens)
