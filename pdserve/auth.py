@@ -18,6 +18,7 @@ owner is a hash of the client key that started it.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
 import ipaddress
@@ -56,6 +57,22 @@ def as_keys(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
         return ()
     keys = (value,) if isinstance(value, str) else tuple(value)
     return tuple(k for k in keys if k)
+
+
+def add_key_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, admin_opens: str) -> None:
+    """The client and admin key flags every listener takes (``admin_opens``: what the admin key
+    opens there, besides any abort and /metrics)."""
+    p.add_argument(
+        "--api-key", action="append", default=None, metavar="KEY",
+        help="a client key: /v1/*, /tokenize, /detokenize, aborts of its own requests; "
+        "repeatable, one per client ($PDSERVE_API_KEY, comma-separated)",
+    )  # fmt: skip
+    p.add_argument(
+        "--admin-api-key", default=None, metavar="KEY",
+        help=f"{admin_opens}, any abort, /metrics; without it those answer only to loopback "
+        "clients ($PDSERVE_ADMIN_API_KEY)",
+    )  # fmt: skip
+    p.add_argument("--metrics-open", action="store_true", help="/metrics without the admin key")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from pdserve.auth import add_key_args
 from pdserve.cli_common import (
     TOOL_PARSER_CHOICES,
     UNSERVABLE,
@@ -51,17 +52,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     _add_registration_args(p)
     add_tls_args(p)
-    p.add_argument(
-        "--api-key", action="append", default=None, metavar="KEY",
-        help="a client key (a router's --worker-api-key): /v1/*, /tokenize, /detokenize, aborts "
-        "of its own requests; repeatable ($PDSERVE_API_KEY, comma-separated)",
-    )  # fmt: skip
-    p.add_argument(
-        "--admin-api-key", default=None, metavar="KEY",
-        help="/drain, /debug/*, any abort, /metrics; without it those answer only to loopback "
-        "clients ($PDSERVE_ADMIN_API_KEY)",
-    )  # fmt: skip
-    p.add_argument("--metrics-open", action="store_true", help="/metrics without the admin key")
+    add_key_args(p, admin_opens="/drain, /debug/*")  # a router's --worker-api-key is a client key
     p.add_argument("--max-body-kb", type=int, default=4096, help="larger request bodies get 413")
     p.add_argument(
         "--json-schema-extra-keys", action="store_true",

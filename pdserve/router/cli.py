@@ -9,6 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from pdserve.auth import add_key_args
 from pdserve.cli_common import DeprecatedAlias, run_async, setup_logging
 from pdserve.envs import Env, read_env
 from pdserve.lifetime import add_parent_pid_arg, wait_for_stop
@@ -86,22 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_access_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("access (docs/operations.md, Access)")
-    g.add_argument(
-        "--api-key", action="append", default=None, metavar="KEY",
-        help="a client key: /v1/*, /tokenize, /detokenize, aborts of its own requests; "
-        "repeatable, one per client ($PDSERVE_API_KEY, comma-separated)",
-    )  # fmt: skip
-    g.add_argument(
-        "--admin-api-key", default=None, metavar="KEY",
-        help="/workers, /debug/*, any abort, /metrics; without it those answer only to "
-        "loopback clients ($PDSERVE_ADMIN_API_KEY)",
-    )  # fmt: skip
+    add_key_args(g, admin_opens="/workers, /debug/*")
     g.add_argument(
         "--registration-token", default=None, metavar="SECRET",
         help="what workers' self-registration must carry (--router of pdserve serve); without "
         "it registration is open to --worker-allow ($PDSERVE_REGISTRATION_TOKEN)",
     )  # fmt: skip
-    g.add_argument("--metrics-open", action="store_true", help="/metrics without the admin key")
     g.add_argument(
         "--worker-api-key", default=None, metavar="KEY",
         help="the workers' client key, sent on every call to them (default: the first "

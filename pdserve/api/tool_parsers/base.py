@@ -120,6 +120,17 @@ class ToolParser(ABC):
         taken, self._buf = self._buf[:n], self._buf[n:]
         return taken
 
+    def _drop_through(self, marker: str, final: bool) -> bool:
+        """Drop the buffer up to and including ``marker``; True once past it (a possible start
+        of it at the end is kept until more text decides)."""
+        pos = self._buf.find(marker)
+        if pos < 0:
+            keep = 0 if final else longest_partial(self._buf, (marker,))
+            self._consume(len(self._buf) - keep)
+            return False
+        self._consume(pos + len(marker))
+        return True
+
     def _text(self, text: str) -> None:
         """Content; its trailing whitespace waits to see whether a call follows."""
         text = self._held_ws + text

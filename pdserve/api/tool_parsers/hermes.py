@@ -66,12 +66,8 @@ class HermesParser(ToolParser):
 
     def _skip_to_close(self, final: bool) -> bool:
         """Drop what is left inside the tags; True once past the closing tag."""
-        pos = self._buf.find(CLOSE)
-        if pos < 0:
-            keep = 0 if final else longest_partial(self._buf, (CLOSE,))
-            self._consume(len(self._buf) - keep)
+        if not self._drop_through(CLOSE, final):
             return False
-        self._consume(pos + len(CLOSE))
         self._state = "text"
         return True
 

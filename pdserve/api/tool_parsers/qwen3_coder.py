@@ -125,12 +125,8 @@ class Qwen3CoderParser(ToolParser):
         return True
 
     def _st_close(self, final: bool) -> bool:
-        pos = self._buf.find(CLOSE)
-        if pos < 0:
-            keep = 0 if final else longest_partial(self._buf, (CLOSE,))
-            self._consume(len(self._buf) - keep)
+        if not self._drop_through(CLOSE, final):
             return False
-        self._consume(pos + len(CLOSE))
         self._state = "text"
         return True
 
