@@ -136,15 +136,22 @@ class Cluster:
     @contextmanager
     def running(self) -> Iterator[Cluster]:
         """Start every process, wait until each is ready, and stop them (router first) after."""
-        try:
-            for p in self.procs:
-                p.start()
-            for p in self.procs:
-                p.wait_ready()
+        with running(self.procs):
             yield self
-        finally:
-            for p in reversed(self.procs):
-                p.stop()
+
+
+@contextmanager
+def running(procs: list[Proc]) -> Iterator[list[Proc]]:
+    """Start ``procs`` at once, wait until each is ready, and stop them in reverse order after."""
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 PORT_FLAGS = ("--port", "--bootstrap-port")

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import ROUTER_PD_READY, WORKER_ARGS, Proc, fetch, free_port, get_json
+from tests.e2e.procs import running
 
 pytestmark = pytest.mark.slow
 
@@ -54,16 +55,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Ite
             argv += ["--bootstrap-port", str(free_port())]
         workers[role] = Proc(role, argv, f"http://127.0.0.1:{wport}", tmp / f"{role}.log",
                              env=worker_env)  # fmt: skip
-    procs = [router, *workers.values()]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.wait_ready()  # the router: once both registered (with the token) and are healthy
+    # The router is ready once both workers registered (with the token) and are healthy.
+    with running([router, *workers.values()]):
         yield {"router": router, **workers}
-    finally:
-        for p in reversed(procs):
-            p.stop()
 
 
 async def test_the_openai_client_chats_with_the_client_key_through_registered_workers(fleet):

@@ -27,6 +27,7 @@ from tests.e2e.conftest import (
     wait_idle,
     worker,
 )
+from tests.e2e.procs import running
 
 PROMPT = "Once upon a time"
 NUM_TOKENS = 160
@@ -53,16 +54,8 @@ def cluster(
     decodes = [worker(tmp, f"decode-{i}", "decode", demo_model_dir) for i in range(2)]
     rt = router(tmp, [pre], decodes, "--connect-timeout", "1", "--request-timeout", "120")
     assign_distinct_ports([pre, *decodes, rt])
-    procs = [pre, *decodes, rt]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.wait_ready()
+    with running([pre, *decodes, rt]):
         yield MigrationCluster(pre, decodes, rt)
-    finally:
-        for p in reversed(procs):
-            p.stop()
 
 
 def _body(path: str, sampling: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.model.demo import DemoShape, write_demo_model
 from tests.e2e.conftest import Proc, assign_distinct_ports, router, scrape, worker
+from tests.e2e.procs import running
 from tests.e2e.test_migration import (
     SAMPLINGS,
     MigrationCluster,
@@ -39,16 +40,8 @@ def cluster(
     ]  # fmt: skip
     rt = router(tmp, [pre], decodes, "--connect-timeout", "1", "--request-timeout", "120")
     assign_distinct_ports([pre, *decodes, rt])
-    procs = [pre, *decodes, rt]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.wait_ready()
+    with running([pre, *decodes, rt]):
         yield MigrationCluster(pre, decodes, rt)
-    finally:
-        for p in reversed(procs):
-            p.stop()
 
 
 @pytest.mark.parametrize("kind", sorted(SAMPLINGS))
