@@ -125,7 +125,9 @@ async def test_abort_ends_stream_and_frees_pages(runner: ModelRunner):
 async def test_consumer_that_goes_away_aborts_its_request(runner: ModelRunner):
     engine = await started(runner)
     try:
-        gen = engine.generate(GenerateRequest("g", [5, 6], SamplingParams(max_tokens=10_000)))
+        gen = engine.generate(
+            GenerateRequest("g", [5, 6], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        )
         await anext(gen)
         await gen.aclose()
         await assert_idle(engine)
@@ -140,7 +142,9 @@ async def test_queue_deadline_fails_waiting_request_with_504(runner: ModelRunner
         scheduler=SchedulerConfig(max_num_seqs=1),
     )  # fmt: skip
     try:
-        busy = engine.generate(GenerateRequest("busy", [1], SamplingParams(max_tokens=10_000)))
+        busy = engine.generate(
+            GenerateRequest("busy", [1], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        )
         await asyncio.wait_for(anext(busy), 10.0)  # it holds the one row
         with pytest.raises(EngineError) as err:
             await collect(engine, "t", [1, 2, 3], max_tokens=4)
@@ -155,7 +159,9 @@ async def test_queue_deadline_fails_waiting_request_with_504(runner: ModelRunner
 async def test_duplicate_request_id_is_rejected_while_live(runner: ModelRunner):
     engine = await started(runner)
     try:
-        gen = engine.generate(GenerateRequest("d", [1], SamplingParams(max_tokens=10_000)))
+        gen = engine.generate(
+            GenerateRequest("d", [1], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        )
         await anext(gen)
         with pytest.raises(EngineError) as err:
             await collect(engine, "d", [1], max_tokens=2)
