@@ -1,0 +1,1 @@
+"""Tensor parallelism: shard math and the prefill-to-decode KV transfer plan."""
