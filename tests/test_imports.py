@@ -130,8 +130,8 @@ def _unit(module: str) -> str:
 LOWER = {
     "attention", "auth", "device", "envs", "file_lock", "fsm", "grammar", "identity",
     "keepalive", "kernels", "kv_sizing", "lifetime", "model",
-    "model_runner", "reasoning", "registration_msg", "runner_config", "sampler", "sampling_params",
-    "sequence", "thread_tuning", "tls", "transport", "types",
+    "model_runner", "parallel", "reasoning", "registration_msg", "runner_config", "sampler",
+    "sampling_params", "sequence", "thread_tuning", "tls", "transport", "types",
 }  # fmt: skip
 SERVING = {
     "api", "cli", "cli_common", "config_builder", "engine", "generate", "launcher",
