@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,9 +19,8 @@ from pdserve.attention.backend import AttentionConfig
 from pdserve.attention.factory import create_backend
 from pdserve.device import bind_device, check_device, check_gpu_memory_utilization, is_cpu
 from pdserve.kernels.kv_cache import KVCacheConfig, KVPagePool
-from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady, record_kv_ready
+from pdserve.kernels.kv_ready import KVReady, record_kv_ready
 from pdserve.kernels.prompt_logprobs import (
-    PromptLogprobs,
     prompt_logprobs_for,
     wants_prompt_logprobs,
 )
@@ -46,10 +44,20 @@ from pdserve.model.checkpoint import (
 )
 from pdserve.model.config import ModelConfig
 from pdserve.model.dtype import resolve_dtype, resolve_kv_cache_dtype
-from pdserve.model.forward_batch import ForwardBatch, decode_batch, extend_batch, mixed_batch
+from pdserve.model.forward_batch import (
+    ForwardBatch,
+    check_seqs,
+    decode_batch,
+    extend_batch,
+    mixed_batch,
+)
 from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel, activation_dtype
+from pdserve.parallel.mapping import check_tp_size, local_config
+from pdserve.parallel.ranks import start_tensor_parallel, threads_per_rank
+from pdserve.parallel.step_wire import SeqLike, Step, StepKind
 from pdserve.runner_config import RunnerConfig
+from pdserve.runner_output import RunnerOutput, RunnerStats
 from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
 from pdserve.thread_tuning import (
@@ -58,46 +66,18 @@ from pdserve.thread_tuning import (
     choose_threads,
     time_candidates,
 )
-from pdserve.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerOutput:
-    """One sampled token per input sequence, in input order.
-
-    ``logprobs`` is None when no sequence asked for logprobs; otherwise it is aligned with the
-    input and holds None for the sequences that did not ask. ``kv_ready`` completes once the
-    forward's KV writes are done on the device: what a KV transfer of these pages, or a reuse
-    of pages freed during the step, waits for (see pdserve.kernels.kv_ready).
-    """
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None] | None = None
-    kv_ready: KVReady = ALWAYS_READY
-    prompt_logprobs: list[PromptLogprobs | None] | None = None  # prefill, when some asked
-
-
-@dataclass
-class RunnerStats:
-    """Plain counters for the metrics module to read at scrape time."""
-
-    num_prefill_calls: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_steps: int = 0
-    num_decode_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    # The last call's split: prepare_s (batch tensors), forward_s (model), sample_s (sampling
-    # and conversion to Python lists).
-    last_step: dict[str, float] = field(default_factory=dict)
 
 
 class ModelRunner:
     """Owns the model weights, tokenizer and KV page pool of one engine."""
 
-    def __init__(self, config: RunnerConfig) -> None:
+    def __init__(self, config: RunnerConfig, tp_rank: int = 0, tp_store: str | None = None) -> None:
+        if config.tensor_parallel_size > 1 and config.num_threads is None:
+            config = dataclasses.replace(
+                config, num_threads=threads_per_rank(config.tensor_parallel_size)
+            )
         self.config = config
         self.device = check_device(config.device, "RunnerConfig.device")
         bind_device(self.device)  # warm-up and graph capture run on this thread
@@ -115,13 +95,23 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, stored, self.act_dtype)
         self.tokenizer = load_tokenizer(config.model_dir)
         mc = self.model_config
+        check_tp_size(mc, config.tensor_parallel_size)
+        # This rank's heads (all of them at TP1): its pool holds only those.
+        rank_mc = local_config(mc, config.tensor_parallel_size, tp_rank)
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.
         memory = self._memory_to_size_from()
-        self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
+        self.kv_config = self._kv_config(rank_mc, is_warm_up=memory is not None)
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
+        self.tp, self._ranks = start_tensor_parallel(
+            config, self.kv_config.num_pages, tp_rank, tp_store
+        )
         weights = load_model_weights(config.model_dir, mc, self.dtype, str(self.device))
-        self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, str(self.device))
+        self.model = LlamaModel(
+            mc, weights, self.max_model_len, self.dtype, str(self.device), self.tp
+        )
         release_checkpoint_file(config.model_dir)
+        if self.tp.group is not None:
+            self.tp.group.barrier()  # every rank holds its shard
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
@@ -158,7 +148,7 @@ class ModelRunner:
         self.kv_pool = KVPagePool(self.kv_config, device=self.device)
         self.attn_backend = create_backend(
             self.config.attention_backend,
-            AttentionConfig.of(self.model_config, self.max_model_len, self.act_dtype),
+            AttentionConfig.of(self.model.config, self.max_model_len, self.act_dtype),
             self.kv_pool,
         )
 
@@ -255,9 +245,9 @@ class ModelRunner:
         ``decode`` sequence: the weights are read once for both, and the decode rows keep the
         decode attention kernel. One token per sequence, ``prefill`` first, then ``decode``."""
         t0 = time.perf_counter()
-        self._check_seqs(prefill, is_decode=False)
+        self._check(prefill, is_decode=False)
         if decode:
-            self._check_seqs(decode, is_decode=True)
+            self._check(decode, is_decode=True)
         self._use_threads(self.prefill_threads)
         batch, sample_rows = self._extend_batch(prefill, decode)
         t1 = time.perf_counter()
@@ -281,7 +271,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> RunnerOutput:
         """One decode step: each sequence's last token (K/V not yet cached) -> one new token."""
         t0 = time.perf_counter()
-        self._check_seqs(seqs, is_decode=True)
+        self._check(seqs, is_decode=True)
         self._use_threads(self.decode_threads)
         t1, hidden = self._decode_hidden(seqs)
         logits = self.model.logits(hidden)
@@ -334,7 +324,7 @@ class ModelRunner:
 
     def prefill_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` at each sequence's last token; writes K/V of new tokens."""
-        self._check_seqs(seqs, is_decode=False)
+        self._check(seqs, is_decode=False)
         self._use_threads(self.prefill_threads)
         batch, last_rows = self._extend_batch(seqs, [])
         return self.model.logits(self._forward(batch)[last_rows])
@@ -342,37 +332,26 @@ class ModelRunner:
     def extend_logits(self, seqs: list[Sequence]) -> tuple[torch.Tensor, KVReady]:
         """Float32 logits of every uncached row of ``seqs`` (packed in order; speculation's
         verify step: pdserve.spec.verify), and the marker of their K/V writes."""
-        self._check_seqs(seqs, is_decode=False)
+        self._check(seqs, is_decode=False)
         self._use_threads(self.prefill_threads)
         hidden = self._forward(self._extend_batch(seqs, [])[0])
         return self.model.logits(hidden), record_kv_ready(self.device)
 
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` after each sequence's last token; writes its K/V."""
-        self._check_seqs(seqs, is_decode=True)
+        self._check(seqs, is_decode=True)
         self._use_threads(self.decode_threads)
         return self.model.logits(self._decode_hidden(seqs)[1])
 
     # ----- batch construction -------------------------------------------------------------
 
-    def _check_seqs(self, seqs: list[Sequence], is_decode: bool) -> None:
-        if not seqs:
-            raise ValueError("empty batch")
-        page_size = self.kv_config.page_size
-        for s in seqs:
-            if s.num_tokens > self.max_model_len:
-                raise ValueError(f"{s.seq_id}: {s.num_tokens} tokens > {self.max_model_len}")
-            if len(s.page_ids) * page_size < s.num_tokens:
-                raise ValueError(f"{s.seq_id}: {len(s.page_ids)} pages for {s.num_tokens} tokens")
-            if not is_decode and not 0 <= s.num_cached_tokens < s.num_tokens:
-                raise ValueError(
-                    f"{s.seq_id}: prefill needs new tokens "
-                    f"(cached {s.num_cached_tokens} of {s.num_tokens})"
-                )
+    def _check(self, seqs: list[Sequence], is_decode: bool) -> None:
+        check_seqs(seqs, self.kv_config.page_size, self.max_model_len, is_decode)
 
     def _extend_batch(
-        self, prefill: list[Sequence], decode: list[Sequence]
+        self, prefill: list[SeqLike], decode: list[SeqLike]
     ) -> tuple[ForwardBatch, torch.Tensor]:
+        self._mirror(StepKind.EXTEND, prefill, decode)
         page_size, scratch = self.kv_config.page_size, self.kv_pool.scratch_page
         if decode:
             return mixed_batch(prefill, decode, page_size, scratch, self.device)
@@ -387,11 +366,33 @@ class ModelRunner:
         and when the batch was built (the end of the step's prepare phase)."""
         if self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
             return self.graph_runner.run(seqs)
+        self._mirror(StepKind.DECODE, [], seqs)
         batch = decode_batch(seqs, self.kv_config.page_size, self.kv_pool.scratch_page, self.device)
         t1 = time.perf_counter()
         return t1, self._forward(batch)
 
-    # ----- sampling -----------------------------------------------------------------------
+    # ----- tensor parallelism (pdserve.parallel) ------------------------------------------
+
+    def _mirror(self, kind: StepKind, prefill: list[SeqLike], decode: list[SeqLike]) -> None:
+        """Rank 0: every other rank runs this forward too (its collectives meet ours)."""
+        if self._ranks is not None:
+            self._ranks.send(kind, torch.get_num_threads(), prefill, decode)
+
+    def follow(self, step: Step) -> None:
+        """Rank r > 0: the forward rank 0 announced (pdserve.parallel.rank_main)."""
+        self._use_threads(step.threads)
+        if step.kind == StepKind.DECODE:
+            kv = self.kv_config
+            batch = decode_batch(step.decode, kv.page_size, self.kv_pool.scratch_page, self.device)
+        else:
+            batch = self._extend_batch(step.prefill, step.decode)[0]
+        self._forward(batch)
+
+    def close(self) -> None:
+        """End this engine's other tensor-parallel ranks (nothing at TP1)."""
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> RunnerOutput:
         token_ids, logprobs = sample_step(logits, seqs, self.tokenizer.eos_token_ids, self.device)

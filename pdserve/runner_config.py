@@ -39,3 +39,5 @@ class RunnerConfig:
     # False for a worker that never runs decode steps (the prefill role): no decode graphs are
     # captured and no memory is held back for them.
     runs_decode_steps: bool = True
+    # Ranks of one engine (pdserve.parallel): rank 0 is this process, the others its children.
+    tensor_parallel_size: int = 1

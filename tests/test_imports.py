@@ -130,7 +130,8 @@ def _unit(module: str) -> str:
 LOWER = {
     "attention", "auth", "device", "envs", "file_lock", "fsm", "grammar", "identity",
     "keepalive", "kernels", "kv_sizing", "lifetime", "model",
-    "model_runner", "parallel", "reasoning", "registration_msg", "runner_config", "sampler",
+    "model_runner", "parallel", "reasoning", "registration_msg", "runner_config",
+    "runner_output", "sampler",
     "sampling_params", "sequence", "thread_tuning", "tls", "transport", "types",
 }  # fmt: skip
 SERVING = {

@@ -21,8 +21,9 @@ from pdserve.grammar.matcher import prefetch_all
 from pdserve.kernels.kv_cache import PageAllocator
 from pdserve.kernels.kv_ready import KVReady
 from pdserve.kernels.prompt_logprobs import PromptLogprobs
-from pdserve.model_runner import ModelRunner, RunnerOutput
+from pdserve.model_runner import ModelRunner
 from pdserve.reasoning.gate import grammar_sees
+from pdserve.runner_output import RunnerOutput
 from pdserve.sequence import Sequence
 from pdserve.spec.build import speculator_for
 from pdserve.spec.speculator import Speculator

@@ -25,6 +25,7 @@ from pdserve.kernels import cpu_ext
 from pdserve.kernels.linear import Linear
 from pdserve.model.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.parallel.row_parallel import RowParallelLinear
 
 
 class LayerParts(Protocol):
@@ -35,9 +36,9 @@ class LayerParts(Protocol):
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     qkv: Linear
-    o_proj: Linear
+    o_proj: Linear | RowParallelLinear
     gate_up: Linear
-    down: Linear
+    down: Linear | RowParallelLinear
 
 
 class CppDecoderLayers:
@@ -102,7 +103,11 @@ def cpp_decoder_layers(
     return CppDecoderLayers(module, cfg, layers, attn)
 
 
-def _is_kernel(p: Linear) -> bool:
+def _is_kernel(p: Linear | RowParallelLinear) -> bool:
+    """A projection C++ kernels hold: a plain one, or a row-parallel sum of one rank alone (a
+    TP1 model's segmented sum; with a group, the Python loop runs its collectives)."""
+    if isinstance(p, RowParallelLinear):
+        return p.group is None and all(_is_kernel(piece) for piece in p.pieces)
     return p.quant is not None or p.kernel is not None
 
 
@@ -114,8 +119,13 @@ def _layer(module: types.ModuleType, layer: LayerParts) -> Any:
     return out
 
 
-def _projection(module: types.ModuleType, p: Linear) -> Any:
+def _projection(module: types.ModuleType, p: Linear | RowParallelLinear) -> Any:
     out = module.Projection()
+    if isinstance(p, RowParallelLinear):
+        out.segments = [_projection(module, piece) for piece in p.pieces]
+        out.bounds = [b for bounds in p.segments for b in bounds]
+        out.bias = p.bias
+        return out
     if p.quant is not None:
         out.packed, out.types, out.ns = p.quant.packed, p.quant.type_ids, p.quant.part_sizes
         out.out_features = p.quant.out_features

@@ -65,6 +65,23 @@ class ForwardBatch:
         return self.block_table.shape[0]
 
 
+def check_seqs(seqs: list[Sequence], page_size: int, max_model_len: int, is_decode: bool) -> None:
+    """ValueError unless every sequence fits the model and its pages (and a prefill has
+    uncached tokens)."""
+    if not seqs:
+        raise ValueError("empty batch")
+    for s in seqs:
+        if s.num_tokens > max_model_len:
+            raise ValueError(f"{s.seq_id}: {s.num_tokens} tokens > {max_model_len}")
+        if len(s.page_ids) * page_size < s.num_tokens:
+            raise ValueError(f"{s.seq_id}: {len(s.page_ids)} pages for {s.num_tokens} tokens")
+        if not is_decode and not 0 <= s.num_cached_tokens < s.num_tokens:
+            raise ValueError(
+                f"{s.seq_id}: prefill needs new tokens "
+                f"(cached {s.num_cached_tokens} of {s.num_tokens})"
+            )
+
+
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """One int64 tensor on ``device``: built in place on a CPU, else staged in pinned memory
     and copied asynchronously (the caching host allocator keeps the buffer until the copy ran)."""

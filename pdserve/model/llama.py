@@ -33,7 +33,17 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.cpp_layers import CppDecoderLayers, cpp_decoder_layers
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.quantized import QuantizedTensor
-from pdserve.model.weights import LayerWeights, ModelWeights, num_bytes
+from pdserve.model.weights import LayerWeights, ModelWeights, Projection, num_bytes
+from pdserve.parallel.mapping import (
+    gate_up_rows,
+    local_config,
+    qkv_rows,
+    reduction_segments,
+    row_segments,
+    take_rows,
+    take_vector,
+)
+from pdserve.parallel.row_parallel import TP, RowParallelLinear
 
 
 def _vector(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -41,15 +51,38 @@ def _vector(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 class _Layer:
-    """A layer's weights as callables; norm weights in the activations' dtype."""
+    """A layer's weights (this rank's shard of them) as callables; norm weights in the
+    activations' dtype. ``cfg`` is the whole model's; see pdserve.parallel.mapping."""
 
-    def __init__(self, w: LayerWeights, act_dtype: torch.dtype) -> None:
+    def __init__(self, w: LayerWeights, act_dtype: torch.dtype, cfg: ModelConfig, tp: TP) -> None:
+        segments = reduction_segments(cfg)
         self.input_norm, self.post_norm = w.input_norm.to(act_dtype), w.post_norm.to(act_dtype)
         self.q_norm, self.k_norm = _vector(w.q_norm, act_dtype), _vector(w.k_norm, act_dtype)
-        self.qkv = Linear(w.qkv, w.qkv_bias, act_dtype)
-        self.o_proj = Linear(w.o_proj, w.o_bias, act_dtype)
-        self.gate_up = Linear(w.gate_up, w.gate_up_bias, act_dtype)
-        self.down = Linear(w.down, w.down_bias, act_dtype)
+        qkv, gate_up = qkv_rows(cfg, tp.size, tp.rank), gate_up_rows(cfg, tp.size, tp.rank)
+        self.qkv = _column_parallel(w.qkv, w.qkv_bias, qkv, act_dtype, tp)
+        self.gate_up = _column_parallel(w.gate_up, w.gate_up_bias, gate_up, act_dtype, tp)
+        self.o_proj = _row_parallel(w.o_proj, w.o_bias, cfg.q_size, segments, act_dtype, tp)
+        inter = cfg.intermediate_size
+        self.down = _row_parallel(w.down, w.down_bias, inter, segments, act_dtype, tp)
+
+
+def _column_parallel(
+    w: Projection, bias: torch.Tensor | None, rows: list[tuple[int, int]],
+    act_dtype: torch.dtype, tp: TP,
+) -> Linear:  # fmt: skip
+    if tp.size > 1:
+        w, bias = take_rows(w, rows), take_vector(bias, rows)
+    return Linear(w, bias, act_dtype)
+
+
+def _row_parallel(
+    w: Projection, bias: torch.Tensor | None, in_features: int, num_segments: int,
+    act_dtype: torch.dtype, tp: TP,
+) -> Linear | RowParallelLinear:  # fmt: skip
+    if num_segments == 1:  # one fused sum, as every TP1-only model (SmolLM2's 9 heads) has
+        return Linear(w, bias, act_dtype)
+    segments = row_segments(w, in_features, num_segments, tp.size, tp.rank)
+    return RowParallelLinear(segments, bias, act_dtype, tp.group)
 
 
 def activation_dtype(weight_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
@@ -62,6 +95,8 @@ class LlamaModel:
     """Stateless forward pass; all per-sequence state lives in the KV pool the caller passes.
 
     ``dtype``: the weights'; activations are :func:`activation_dtype` of it on ``device``.
+    ``tp``: the rank's shard (its heads and MLP columns; the LM head on rank 0 only, which
+    alone samples); ``config`` is then the rank's view (``mapping.local_config``).
     """
 
     def __init__(
@@ -71,14 +106,17 @@ class LlamaModel:
         max_positions: int,
         dtype: torch.dtype,
         device: str = "cpu",
+        tp: TP | None = None,
     ) -> None:
-        self.config = config
+        tp = tp or TP()
+        self.tp = tp
+        self.config = local_config(config, tp.size, tp.rank)
         self.weights = weights
         self.dtype = dtype
         self.device = torch.device(device)
         self.act_dtype = activation_dtype(dtype, device)
-        self.layers = [_Layer(w, self.act_dtype) for w in weights.layers]
-        self.lm_head = Linear(weights.lm_head, None, self.act_dtype)
+        self.layers = [_Layer(w, self.act_dtype, config, tp) for w in weights.layers]
+        self.lm_head = Linear(weights.lm_head, None, self.act_dtype) if tp.rank == 0 else None
         self.final_norm = weights.norm.to(self.act_dtype)
         self._cpp_layers: tuple[AttentionBackend, CppDecoderLayers | None] | None = None
         self.cos, self.sin = rope_tables(
@@ -90,7 +128,7 @@ class LlamaModel:
     def num_weight_bytes(self) -> int:
         """Memory the weights occupy as they run: each projection's (packed, quantized or dense)
         copy, the embedding table and the norms."""
-        linears = [self.lm_head]
+        linears: list[Linear | RowParallelLinear] = [self.lm_head] if self.lm_head else []
         vectors = [self.final_norm]
         for layer in self.layers:
             linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
@@ -143,6 +181,7 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``(N, vocab)`` for the given (pre-final-norm) rows."""
+        assert self.lm_head is not None, "only tensor-parallel rank 0 computes logits"
         with torch.inference_mode():
             x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
             return self.lm_head(x).float()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdserve.model_runner import ModelRunner, RunnerOutput
+from pdserve.model_runner import ModelRunner
+from pdserve.runner_output import RunnerOutput
 from pdserve.sampler import sample_step
 from pdserve.sequence import Sequence
 from pdserve.spec.grammar_rows import FixedMask, draft_masks

@@ -28,7 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("ns", &pdserve::Projection::ns)
       .def_readwrite("dense", &pdserve::Projection::dense)
       .def_readwrite("out_features", &pdserve::Projection::out_features)
-      .def_readwrite("bias", &pdserve::Projection::bias);
+      .def_readwrite("bias", &pdserve::Projection::bias)
+      .def_readwrite("segments", &pdserve::Projection::segments)
+      .def_readwrite("bounds", &pdserve::Projection::bounds);
   py::class_<pdserve::DecoderLayer>(m, "DecoderLayer")
       .def(py::init<>())
       .def_readwrite("qkv", &pdserve::DecoderLayer::qkv)

@@ -138,6 +138,10 @@ struct Projection {  // a Linear as the kernels hold it: quantized parts, or den
   at::Tensor dense;                // pack()ed panels when not quantized
   int64_t out_features = 0;
   std::optional<at::Tensor> bias;  // float32
+  // A segmented row-parallel sum (parallel/row_parallel.py): bias-free pieces over input
+  // columns [lo, hi) padded by (before, after) zeros, 4 bounds each; summed as a pairwise tree.
+  std::vector<Projection> segments;
+  std::vector<int64_t> bounds;
   at::Tensor operator()(const at::Tensor& x) const;
 };
 struct DecoderLayer {

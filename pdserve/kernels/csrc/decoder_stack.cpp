@@ -9,6 +9,27 @@
 namespace pdserve {
 
 at::Tensor Projection::operator()(const at::Tensor& x) const {
+  if (!segments.empty()) {  // RowParallelLinear.__call__, op for op
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const int64_t lo = bounds[4 * i], hi = bounds[4 * i + 1];
+      const int64_t before = bounds[4 * i + 2], after = bounds[4 * i + 3];
+      at::Tensor in;
+      if (before == 0 && after == 0) {
+        in = x.narrow(1, lo, hi - lo).contiguous();
+      } else {
+        in = at::zeros({x.size(0), before + hi - lo + after}, x.options());
+        in.narrow(1, before, hi - lo).copy_(x.narrow(1, lo, hi - lo));
+      }
+      parts.push_back(segments[i](in));
+    }
+    while (parts.size() > 1) {
+      std::vector<at::Tensor> next;
+      for (size_t i = 0; i + 1 < parts.size(); i += 2) next.push_back(parts[i] + parts[i + 1]);
+      parts = std::move(next);
+    }
+    return bias ? parts[0] + *bias : parts[0];
+  }
   if (!types.empty()) return quant_linear(x, packed, types, ns, bias);
   return linear(x, dense, out_features, bias, at::kFloat);
 }

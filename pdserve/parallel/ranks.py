@@ -1,0 +1,167 @@
+"""An engine's tensor-parallel ranks: rank 0 (the serving process) starts ranks 1..t-1, joins
+their group, and sends each of them every forward step.
+
+Rank 0 keeps everything that is not the model: the event loop, scheduler, page allocator,
+sampler, HTTP and transport. Ranks 1..t-1 are ``python -m pdserve.parallel.rank_main``
+processes holding their shard of the weights and their heads of the KV pool (the same page
+ids). A step reaches them over their stdin pipe (:mod:`pdserve.parallel.step_wire`), the
+model's collectives over the gloo group (:mod:`pdserve.parallel.group`).
+
+Lifetime: a rank ends at the end of its pipe, which is closed when rank 0 closes the engine
+or dies (the kernel closes a dead process's pipes); one blocked in a collective gets a broken
+connection. A rank that dies fails rank 0's next step, or the one running, with the rank's
+exit status: the engine is the unit, as in the design note. (Not PR_SET_PDEATHSIG: it fires
+when the *thread* that started the child exits, and rank 0 may start ranks from a worker
+thread.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from pdserve.parallel.group import TPGroup
+from pdserve.parallel.row_parallel import TP
+from pdserve.parallel.step_wire import SeqLike, StepKind, encode_step
+from pdserve.runner_config import RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0  # ranks import torch and join before loading: seconds, not minutes
+
+
+class RankDied(RuntimeError):
+    """A tensor-parallel rank of this engine is gone: the engine cannot compute any more."""
+
+
+class RankProcesses:
+    """Ranks 1..t-1 of one engine, started on construction."""
+
+    def __init__(self, config: RunnerConfig) -> None:
+        self.size = config.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
+        self.store_path = os.path.join(self._dir, "store")
+        payload = json.dumps(dataclasses.asdict(config))
+        self._procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pdserve.parallel.rank_main",
+                    "--rank",
+                    str(rank),
+                    "--store",
+                    self.store_path,
+                    "--config",
+                    payload,
+                ],
+                stdin=subprocess.PIPE,
+                close_fds=True,
+            )  # fmt: skip
+            for rank in range(1, self.size)
+        ]
+        self._lock = threading.Lock()  # steps are sent from one thread; close may be another
+
+    def join_group(self) -> TPGroup:
+        """Rank 0's place in the group, once every rank joined; RankDied if one exits first."""
+        result: list[TPGroup | BaseException] = []
+
+        def join() -> None:
+            try:
+                result.append(TPGroup(self.store_path, 0, self.size, JOIN_TIMEOUT_S))
+            except BaseException as e:  # handed to the waiting thread
+                result.append(e)
+
+        joiner = threading.Thread(target=join, name="pdserve-tp-join", daemon=True)
+        joiner.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while joiner.is_alive() and time.monotonic() < deadline:
+            self.check_alive()
+            joiner.join(timeout=0.1)
+        if not result:
+            raise RankDied(f"tensor-parallel ranks did not join within {JOIN_TIMEOUT_S:.0f} s")
+        if isinstance(result[0], BaseException):
+            self.check_alive()
+            raise RankDied(f"tensor-parallel group: {result[0]}") from result[0]
+        return result[0]
+
+    def check_alive(self) -> None:
+        for rank, p in enumerate(self._procs, start=1):
+            rc = p.poll()
+            if rc is not None:
+                raise RankDied(f"tensor-parallel rank {rank} exited (status {rc})")
+
+    def send(
+        self, kind: StepKind, threads: int, prefill: list[SeqLike], decode: list[SeqLike]
+    ) -> None:
+        """Hand every rank the step rank 0 is about to run."""
+        frame = encode_step(kind, threads, prefill, decode)
+        with self._lock:
+            for rank, p in enumerate(self._procs, start=1):
+                assert p.stdin is not None
+                try:
+                    p.stdin.write(frame)
+                    p.stdin.flush()
+                except (BrokenPipeError, ValueError) as e:
+                    raise RankDied(f"tensor-parallel rank {rank} is gone: {e}") from e
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End every rank (end of pipe), waiting ``timeout_s`` before killing one."""
+        with self._lock:
+            for p in self._procs:
+                if p.stdin is not None and not p.stdin.closed:
+                    with contextlib.suppress(BrokenPipeError):
+                        p.stdin.close()
+        deadline = time.monotonic() + timeout_s
+        for p in self._procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor-parallel rank pid %d did not exit: killed", p.pid)
+                p.kill()
+                p.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+
+def threads_per_rank(tp_size: int) -> int:
+    """Each rank's share of this process's cores (disjoint shares: ranks never wait on a
+    neighbour's threads inside a step)."""
+    return max(1, len(os.sched_getaffinity(0)) // tp_size)
+
+
+def start_tensor_parallel(
+    config: RunnerConfig, num_pages: int, rank: int, store_path: str | None
+) -> tuple[TP, RankProcesses | None]:
+    """This rank's place in its engine's group; rank 0 starts the other ranks first (they
+    get ``num_pages`` explicitly: every rank's pool has the same page ids)."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return TP(), None
+    if torch.device(config.device).type != "cpu":
+        raise ValueError(f"tensor_parallel_size {size}: only CPU engines split across ranks yet")
+    if rank > 0:
+        assert store_path is not None, "ranks > 0 are started with rank 0's store"
+        return TP(rank, size, TPGroup(store_path, rank, size, JOIN_TIMEOUT_S)), None
+    ranks = RankProcesses(dataclasses.replace(config, num_pages=num_pages))
+    try:
+        group = ranks.join_group()
+    except BaseException:
+        ranks.close(timeout_s=0)
+        raise
+    logger.info("tensor-parallel: %d ranks (pids %s) joined", size, ranks.pids)
+    return TP(0, size, group), ranks
