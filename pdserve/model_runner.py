@@ -54,7 +54,7 @@ from pdserve.model.forward_batch import (
 from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel, activation_dtype
 from pdserve.parallel.mapping import check_tp_size, local_config
-from pdserve.parallel.ranks import start_tensor_parallel, threads_per_rank
+from pdserve.parallel.ranks import RankLaunch, start_tensor_parallel, threads_per_rank
 from pdserve.parallel.step_wire import SeqLike, Step, StepKind
 from pdserve.runner_config import RunnerConfig
 from pdserve.runner_output import RunnerOutput, RunnerStats
@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns the model weights, tokenizer and KV page pool of one engine."""
 
-    def __init__(self, config: RunnerConfig, tp_rank: int = 0, tp_store: str | None = None) -> None:
+    def __init__(self, config: RunnerConfig, rank: RankLaunch | None = None) -> None:
         if config.tensor_parallel_size > 1 and config.num_threads is None:
             config = dataclasses.replace(
                 config, num_threads=threads_per_rank(config.tensor_parallel_size)
@@ -97,13 +97,13 @@ class ModelRunner:
         mc = self.model_config
         check_tp_size(mc, config.tensor_parallel_size)
         # This rank's heads (all of them at TP1): its pool holds only those.
-        rank_mc = local_config(mc, config.tensor_parallel_size, tp_rank)
+        rank_mc = local_config(mc, config.tensor_parallel_size, rank.rank if rank else 0)
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.
         memory = self._memory_to_size_from()
         self.kv_config = self._kv_config(rank_mc, is_warm_up=memory is not None)
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
         self.tp, self._ranks = start_tensor_parallel(
-            config, self.kv_config.num_pages, tp_rank, tp_store
+            config, self.kv_config.num_pages, mc.hidden_size, rank
         )
         weights = load_model_weights(config.model_dir, mc, self.dtype, str(self.device))
         self.model = LlamaModel(
@@ -265,7 +265,7 @@ class ModelRunner:
         st = self.stats
         st.num_prefill_calls += 1
         st.num_prefill_tokens += batch.input_ids.shape[0]
-        st.prefill_seconds += self._record(t0, t1, t2)
+        st.prefill_seconds += st.record(t0, t1, t2)
         return out
 
     def decode(self, seqs: list[Sequence]) -> RunnerOutput:
@@ -282,14 +282,8 @@ class ModelRunner:
         st = self.stats
         st.num_decode_steps += 1
         st.num_decode_tokens += len(seqs)
-        st.decode_seconds += self._record(t0, t1, t2)
+        st.decode_seconds += st.record(t0, t1, t2)
         return out
-
-    def _record(self, t0: float, t1: float, t2: float) -> float:
-        """Keep the last call's split (batch building / model forward / sampling); total time."""
-        t3 = time.perf_counter()
-        self.stats.last_step = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
-        return t3 - t0
 
     def _use_threads(self, num_threads: int) -> None:
         # Per phase, from the thread that runs the forward (torch's OpenMP thread count and the
@@ -381,6 +375,8 @@ class ModelRunner:
     def follow(self, step: Step) -> None:
         """Rank r > 0: the forward rank 0 announced (pdserve.parallel.rank_main)."""
         self._use_threads(step.threads)
+        if step.kind == StepKind.LOGITS:
+            return self.model.join_logits(step.rows)
         if step.kind == StepKind.DECODE:
             kv = self.kv_config
             batch = decode_batch(step.decode, kv.page_size, self.kv_pool.scratch_page, self.device)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pdserve.kernels.kv_ready import ALWAYS_READY, KVReady
@@ -39,3 +40,10 @@ class RunnerStats:
     # The last call's split: prepare_s (batch tensors), forward_s (model), sample_s (sampling
     # and conversion to Python lists).
     last_step: dict[str, float] = field(default_factory=dict)
+
+    def record(self, t0: float, t1: float, t2: float) -> float:
+        """Keep the last call's split (batch building / model forward / sampling), ended
+        now; the call's total seconds."""
+        t3 = time.perf_counter()
+        self.last_step = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
+        return t3 - t0

@@ -44,6 +44,7 @@ from pdserve.parallel.mapping import (
     take_vector,
 )
 from pdserve.parallel.row_parallel import TP, RowParallelLinear
+from pdserve.parallel.vocab_parallel import VocabParallelHead
 
 
 def _vector(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -116,7 +117,11 @@ class LlamaModel:
         self.device = torch.device(device)
         self.act_dtype = activation_dtype(dtype, device)
         self.layers = [_Layer(w, self.act_dtype, config, tp) for w in weights.layers]
-        self.lm_head = Linear(weights.lm_head, None, self.act_dtype) if tp.rank == 0 else None
+        self.lm_head: Linear | VocabParallelHead = (
+            Linear(weights.lm_head, None, self.act_dtype)
+            if tp.size == 1
+            else VocabParallelHead(weights.lm_head, config.vocab_size, self.act_dtype, tp)
+        )
         self.final_norm = weights.norm.to(self.act_dtype)
         self._cpp_layers: tuple[AttentionBackend, CppDecoderLayers | None] | None = None
         self.cos, self.sin = rope_tables(
@@ -128,7 +133,7 @@ class LlamaModel:
     def num_weight_bytes(self) -> int:
         """Memory the weights occupy as they run: each projection's (packed, quantized or dense)
         copy, the embedding table and the norms."""
-        linears: list[Linear | RowParallelLinear] = [self.lm_head] if self.lm_head else []
+        linears: list[Linear | RowParallelLinear | VocabParallelHead] = [self.lm_head]
         vectors = [self.final_norm]
         for layer in self.layers:
             linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
@@ -181,10 +186,17 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``(N, vocab)`` for the given (pre-final-norm) rows."""
-        assert self.lm_head is not None, "only tensor-parallel rank 0 computes logits"
         with torch.inference_mode():
             x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-            return self.lm_head(x).float()
+            logits = self.lm_head(x)
+            assert logits is not None, "only tensor-parallel rank 0 computes logits"
+            return logits.float()
+
+    def join_logits(self, num_rows: int) -> None:
+        """Tensor-parallel rank r > 0: this rank's vocabulary shard of rank 0's next
+        :meth:`logits` call, over ``num_rows`` rows rank 0 hands over."""
+        with torch.inference_mode():
+            self.lm_head(torch.zeros(num_rows, self.config.hidden_size, dtype=self.act_dtype))
 
     def _qkv(
         self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 
+from pdserve.parallel.ranks import RankLaunch
 from pdserve.parallel.step_wire import StepKind, read_step
 from pdserve.runner_config import RunnerConfig
 
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.parallel.rank_main")
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--store", required=True, help="the group's file store (rank 0's run dir)")
+    p.add_argument("--run-dir", required=True, help="rank 0's run dir (store, gather region)")
+    p.add_argument("--shm-slot-bytes", type=int, default=0, help="0: gather over gloo")
     p.add_argument("--config", required=True, help="the engine's RunnerConfig as JSON")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RunnerConfig(**{k: v for k, v in json.loads(args.config).items() if k in fields})
     from pdserve.model_runner import ModelRunner  # after logging: its import loads torch
 
-    runner = ModelRunner(config, tp_rank=args.rank, tp_store=args.store)
+    runner = ModelRunner(config, RankLaunch(args.rank, args.run_dir, args.shm_slot_bytes))
     stream = sys.stdin.buffer
     steps = 0
     while (step := read_step(stream)).kind != StepKind.EXIT:

@@ -28,11 +28,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from pdserve.parallel.group import TPGroup
+from pdserve.kernels import cpu_ext
+from pdserve.parallel.group import ShmRegion, TPGroup
 from pdserve.parallel.row_parallel import TP
+from pdserve.parallel.shm_gather import SLOT_ROWS, create_region
 from pdserve.parallel.step_wire import SeqLike, StepKind, encode_step
 from pdserve.runner_config import RunnerConfig
 
@@ -45,13 +49,40 @@ class RankDied(RuntimeError):
     """A tensor-parallel rank of this engine is gone: the engine cannot compute any more."""
 
 
+@dataclass(frozen=True)
+class RankLaunch:
+    """How rank ``rank`` > 0 finds its engine: rank 0's run directory (the group's file store
+    and, with ``shm_slot_bytes`` > 0, the shared-memory gather region)."""
+
+    rank: int
+    run_dir: str
+    shm_slot_bytes: int = 0
+
+    @property
+    def store_path(self) -> str:
+        return os.path.join(self.run_dir, "store")
+
+    @property
+    def region(self) -> ShmRegion | None:
+        path = os.path.join(self.run_dir, "gather")
+        return ShmRegion(path, self.shm_slot_bytes) if self.shm_slot_bytes else None
+
+
+def _run_dir() -> str:
+    """On tmpfs where the machine has one: the gather region is memory shared by the ranks."""
+    shm = "/dev/shm"
+    return tempfile.mkdtemp(prefix="pdserve-tp-", dir=shm if os.path.isdir(shm) else None)
+
+
 class RankProcesses:
     """Ranks 1..t-1 of one engine, started on construction."""
 
-    def __init__(self, config: RunnerConfig) -> None:
+    def __init__(self, config: RunnerConfig, shm_slot_bytes: int) -> None:
         self.size = config.tensor_parallel_size
-        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
-        self.store_path = os.path.join(self._dir, "store")
+        self._dir = _run_dir()
+        self.launch = RankLaunch(0, self._dir, shm_slot_bytes)
+        if self.launch.region is not None:
+            create_region(self.launch.region.path, self.size, shm_slot_bytes)
         payload = json.dumps(dataclasses.asdict(config))
         self._procs = [
             subprocess.Popen(
@@ -61,8 +92,10 @@ class RankProcesses:
                     "pdserve.parallel.rank_main",
                     "--rank",
                     str(rank),
-                    "--store",
-                    self.store_path,
+                    "--run-dir",
+                    self._dir,
+                    "--shm-slot-bytes",
+                    str(shm_slot_bytes),
                     "--config",
                     payload,
                 ],
@@ -79,7 +112,12 @@ class RankProcesses:
 
         def join() -> None:
             try:
-                result.append(TPGroup(self.store_path, 0, self.size, JOIN_TIMEOUT_S))
+                launch = self.launch
+                group = TPGroup(
+                    launch.store_path, 0, self.size, JOIN_TIMEOUT_S, launch.region,
+                    self.check_alive,
+                )  # fmt: skip
+                result.append(group)
             except BaseException as e:  # handed to the waiting thread
                 result.append(e)
 
@@ -103,10 +141,11 @@ class RankProcesses:
                 raise RankDied(f"tensor-parallel rank {rank} exited (status {rc})")
 
     def send(
-        self, kind: StepKind, threads: int, prefill: list[SeqLike], decode: list[SeqLike]
-    ) -> None:
+        self, kind: StepKind, threads: int, prefill: list[SeqLike], decode: list[SeqLike],
+        rows: int = 0,
+    ) -> None:  # fmt: skip
         """Hand every rank the step rank 0 is about to run."""
-        frame = encode_step(kind, threads, prefill, decode)
+        frame = encode_step(kind, threads, prefill, decode, rows)
         with self._lock:
             for rank, p in enumerate(self._procs, start=1):
                 assert p.stdin is not None
@@ -144,24 +183,47 @@ def threads_per_rank(tp_size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // tp_size)
 
 
+def _parent_check() -> Callable[[], None]:
+    """Raises once the process that started this rank is gone (its children are re-parented)."""
+    parent = os.getppid()
+
+    def check() -> None:
+        if os.getppid() != parent:
+            raise RankDied("tensor-parallel rank 0 is gone")
+
+    return check
+
+
 def start_tensor_parallel(
-    config: RunnerConfig, num_pages: int, rank: int, store_path: str | None
+    config: RunnerConfig, num_pages: int, hidden_size: int, launch: RankLaunch | None
 ) -> tuple[TP, RankProcesses | None]:
-    """This rank's place in its engine's group; rank 0 starts the other ranks first (they
-    get ``num_pages`` explicitly: every rank's pool has the same page ids)."""
+    """This rank's place in its engine's group (``launch``: how rank r > 0 was started; None
+    for rank 0, which starts the other ranks first: they get ``num_pages`` explicitly, as
+    every rank's pool has the same page ids)."""
     size = config.tensor_parallel_size
     if size == 1:
         return TP(), None
     if torch.device(config.device).type != "cpu":
         raise ValueError(f"tensor_parallel_size {size}: only CPU engines split across ranks yet")
-    if rank > 0:
-        assert store_path is not None, "ranks > 0 are started with rank 0's store"
-        return TP(rank, size, TPGroup(store_path, rank, size, JOIN_TIMEOUT_S)), None
-    ranks = RankProcesses(dataclasses.replace(config, num_pages=num_pages))
+    if launch is not None:
+        group = TPGroup(
+            launch.store_path, launch.rank, size, JOIN_TIMEOUT_S, launch.region, _parent_check()
+        )
+        return TP(launch.rank, size, group), None
+    # float32 activations (CPU): a slot holds SLOT_ROWS rows of the hidden size
+    slot_bytes = SLOT_ROWS * hidden_size * 4 if cpu_ext.load() is not None else 0
+    ranks = RankProcesses(dataclasses.replace(config, num_pages=num_pages), slot_bytes)
     try:
         group = ranks.join_group()
     except BaseException:
         ranks.close(timeout_s=0)
         raise
-    logger.info("tensor-parallel: %d ranks (pids %s) joined", size, ranks.pids)
-    return TP(0, size, group), ranks
+    logger.info(
+        "tensor-parallel: %d ranks (pids %s) joined; all-gather over %s", size, ranks.pids,
+        "shared memory" if slot_bytes else "gloo",
+    )  # fmt: skip
+
+    def announce_logits(rows: int) -> None:
+        ranks.send(StepKind.LOGITS, torch.get_num_threads(), [], [], rows)
+
+    return TP(0, size, group, announce_logits), ranks

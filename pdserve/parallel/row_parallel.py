@@ -9,6 +9,7 @@ reach for and gives sums in an order that depends on the TP size: that is what t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +32,8 @@ class TP:
     rank: int = 0
     size: int = 1
     group: Gather | None = None
+    # rank 0: tells the other ranks to join an LM head call over this many rows
+    announce_logits: Callable[[int], None] | None = None
 
 
 def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:

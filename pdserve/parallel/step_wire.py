@@ -6,7 +6,10 @@ only what the builders read of a sequence: its length, cached length, page ids a
 ids it has not cached (its last one for a decode row). No pickle: a frame is a length followed
 by that many little-endian int64 values.
 
-Frame: ``[kind, threads, num_prefill, num_decode, seq...]`` with each seq
+A LOGITS step follows a forward whenever rank 0 computes logits of ``rows`` of its hidden
+states: the ranks then each compute their vocabulary shard of the LM head for those rows.
+
+Frame: ``[kind, threads, rows, num_prefill, num_decode, seq...]`` with each seq
 ``[num_tokens, num_cached, num_pages, *page_ids, num_ids, *ids]``.
 """
 
@@ -22,7 +25,8 @@ import numpy as np
 class StepKind(IntEnum):
     EXTEND = 1  # prompt chunks, optionally with decode rows (a mixed step)
     DECODE = 2
-    EXIT = 3
+    LOGITS = 3  # the LM head over rows rank 0 hands the ranks (parallel/vocab_parallel.py)
+    EXIT = 4
 
 
 class SeqLike(Protocol):
@@ -54,6 +58,7 @@ class StepSeq:
 class Step:
     kind: StepKind
     threads: int = 1
+    rows: int = 0  # LOGITS
     prefill: list[StepSeq] = field(default_factory=list)
     decode: list[StepSeq] = field(default_factory=list)
 
@@ -64,9 +69,9 @@ def _seq_values(s: SeqLike, is_decode: bool) -> list[int]:
 
 
 def encode_step(
-    kind: StepKind, threads: int, prefill: list[SeqLike], decode: list[SeqLike]
+    kind: StepKind, threads: int, prefill: list[SeqLike], decode: list[SeqLike], rows: int = 0
 ) -> bytes:
-    values = [int(kind), threads, len(prefill), len(decode)]
+    values = [int(kind), threads, rows, len(prefill), len(decode)]
     for s in prefill:
         values += _seq_values(s, is_decode=False)
     for s in decode:
@@ -96,9 +101,9 @@ def read_step(stream: BinaryIO) -> Step:
     if body is None:
         return Step(StepKind.EXIT)
     v = np.frombuffer(body, dtype="<i8").tolist()
-    step = Step(StepKind(v[0]), v[1])
-    pos = 4
-    for count, out in ((v[2], step.prefill), (v[3], step.decode)):
+    step = Step(StepKind(v[0]), v[1], v[2])
+    pos = 5
+    for count, out in ((v[3], step.prefill), (v[4], step.decode)):
         for _ in range(count):
             num_tokens, num_cached, num_pages = v[pos : pos + 3]
             pages = v[pos + 3 : pos + 3 + num_pages]

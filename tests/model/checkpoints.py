@@ -46,6 +46,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {"sliding_window": 24}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # an odd vocabulary: a vocab-parallel LM head's last shard is one row short
+    "qwen2_odd_vocab": ("qwen2", {"vocab_size": 321, "tie_word_embeddings": False}),
 }
 
 

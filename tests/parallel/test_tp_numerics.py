@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from pdserve.model.demo import DemoShape, write_demo_model
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.parallel.row_parallel import RowParallelLinear
+from pdserve.parallel.vocab_parallel import VocabParallelHead
 from pdserve.sampling_params import SamplingParams
 from pdserve.sequence import Sequence
 from tests.model.checkpoints import write_checkpoint
@@ -71,6 +72,7 @@ def _run(path: Path, tp: int, dtype: str = "float32") -> tuple[torch.Tensor, lis
     try:
         if tp > 1:
             assert any(isinstance(layer.down, RowParallelLinear) for layer in runner.model.layers)
+            assert isinstance(runner.model.lm_head, VocabParallelHead)
         return _workload(runner, runner.model_config.vocab_size)
     finally:
         runner.close()
@@ -92,7 +94,7 @@ def _assert_same(
     assert tp1[1] == tp_n[1]  # sampled tokens and their logprobs, exactly
 
 
-CASES = ["llama", "qwen2", "qwen3", "mistral", "gguf-mixed"]
+CASES = ["llama", "qwen2", "qwen3", "mistral", "qwen2_odd_vocab", "gguf-mixed"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -107,7 +109,7 @@ def test_bf16_weights_give_tp1_s_logits_at_tp2(tmp_path: Path) -> None:
 
 
 def test_tp4_with_replicated_kv_heads_gives_tp1_s_logits(tmp_path: Path) -> None:
-    path = write_checkpoint(tmp_path, "qwen2", sharded=False)  # 4 heads, 2 KV heads
+    path = write_checkpoint(tmp_path, "qwen2_odd_vocab", sharded=False)  # 4 heads, 2 KV heads
     _assert_same(_run(path, 1), _run(path, 4))
 
 

@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &pdserve::rms_norm, no_gil);
   m.def("add_rms_norm_", &pdserve::add_rms_norm_, no_gil);
   m.def("apply_token_bitmask_", &pdserve::apply_token_bitmask_, no_gil);
+  m.def("shm_post", &pdserve::shm_post, no_gil);
+  m.def("shm_wait_gather", &pdserve::shm_wait_gather, no_gil);
   py::class_<pdserve::Projection>(m, "Projection")
       .def(py::init<>())
       .def_readwrite("packed", &pdserve::Projection::packed)

@@ -131,6 +131,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& residual, const at::Tensor& x,
                          const at::Tensor& weight, double eps);
 
+// shm_gather.cpp: the tensor-parallel ranks' all-gather through a shared-memory region.
+void shm_post(const at::Tensor& region, const at::Tensor& x, int64_t rank, int64_t size,
+              int64_t seq, int64_t slot_bytes);
+bool shm_wait_gather(const at::Tensor& region, const at::Tensor& out, int64_t size, int64_t seq,
+                     int64_t slot_bytes, double wait_s);
+
 // decoder_stack.cpp: a model's decoder layers in one call (the Python loop's kernels, in order).
 struct Projection {  // a Linear as the kernels hold it: quantized parts, or dense panels
   std::vector<at::Tensor> packed;  // quant_pack()ed parts (empty: dense)
