@@ -53,7 +53,8 @@ from pdserve.model.forward_batch import (
 )
 from pdserve.model.graph_runner import DecodeGraphRunner
 from pdserve.model.llama import LlamaModel, activation_dtype
-from pdserve.parallel.mapping import check_tp_size, local_config
+from pdserve.parallel.mapping import check_tp_size
+from pdserve.parallel.plan import kv_heads_of_rank
 from pdserve.parallel.ranks import RankLaunch, start_tensor_parallel, threads_per_rank
 from pdserve.parallel.step_wire import SeqLike, Step, StepKind
 from pdserve.runner_config import RunnerConfig
@@ -96,14 +97,12 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(config.model_dir)
         mc = self.model_config
         check_tp_size(mc, config.tensor_parallel_size)
-        # This rank's heads (all of them at TP1): its pool holds only those.
-        rank_mc = local_config(mc, config.tensor_parallel_size, rank.rank if rank else 0)
         # CUDA without an explicit size: a warm-up pool now, the real one once measured.
         memory = self._memory_to_size_from()
-        self.kv_config = self._kv_config(rank_mc, is_warm_up=memory is not None)
+        self.kv_config = self._kv_config(mc, is_warm_up=memory is not None)
         self.max_model_len = self._max_model_len(mc, self.kv_config if memory is None else None)
-        self.tp, self._ranks = start_tensor_parallel(
-            config, self.kv_config.num_pages, mc.hidden_size, rank
+        self.tp, self._ranks, self._shared_kv = start_tensor_parallel(
+            config, self.kv_config, mc.hidden_size, rank
         )
         weights = load_model_weights(config.model_dir, mc, self.dtype, str(self.device))
         self.model = LlamaModel(
@@ -143,13 +142,16 @@ class ModelRunner:
         return self.model.num_weight_bytes
 
     def _build_pool(self) -> None:
-        """The page pool of ``kv_config`` and the attention backend over it."""
+        """The page pool of ``kv_config`` and the attention backend over this rank's heads."""
         # The transport registers this tensor with NIXL: it is never reallocated once serving.
-        self.kv_pool = KVPagePool(self.kv_config, device=self.device)
+        # Tensor-parallel ranks share it (every rank's heads: the TP1 page), each attending
+        # over its own heads.
+        self.kv_pool = KVPagePool(self.kv_config, device=self.device, storage=self._shared_kv)
+        heads = kv_heads_of_rank(self.tp.rank, self.tp.size, self.model_config.num_kv_heads)
         self.attn_backend = create_backend(
             self.config.attention_backend,
             AttentionConfig.of(self.model.config, self.max_model_len, self.act_dtype),
-            self.kv_pool,
+            self.kv_pool if self.tp.size == 1 else self.kv_pool.head_view(heads),
         )
 
     def _memory_to_size_from(self) -> tuple[DeviceMemory, int] | None:

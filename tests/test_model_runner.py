@@ -424,9 +424,9 @@ def test_the_cuda_sizing_path_fills_the_share_and_serves_the_same_tokens(
     # The warm-up pool's bytes are counted as allocated once it exists.
     pool_cls = model_runner.KVPagePool
 
-    def pool(config, device="cpu", hugepages=True):  # noqa: ANN001, ANN202
+    def pool(config, device="cpu", hugepages=True, storage=None):  # noqa: ANN001, ANN202
         fake.allocated += (config.num_pages + 1) * config.page_bytes  # + the scratch page
-        return pool_cls(config, device, hugepages)
+        return pool_cls(config, device, hugepages, storage)
 
     monkeypatch.setattr(model_runner, "KVPagePool", pool)
     sized = ModelRunner(cfg)

@@ -7,8 +7,8 @@ Gathering each layer's pages separately costs two small copies per layer, each b
 become a parallel region; on a busy 2-core machine every parallel region can wait a scheduler
 time slice for its second thread. One gather for many layers replaces them, bounded in bytes.
 
-The pool is page-major, so viewed as rows of ``page_size * Hkv * D`` elements, row
-``page * 2L + 2 * layer + {0: K, 1: V}`` is one page's K or V block of one layer.
+The pool is ``(pages, Hkv, L, 2, page_size, D)`` (kernels/kv_cache.py): a gather picks the
+step's pages of a range of layers, then lays them out per layer, K/V, sequence and position.
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ class DecodeContext:
         context_lens: torch.Tensor,
         max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES,
     ) -> None:
-        num_pages, self.num_layers, _, page_size, num_kv_heads, head_dim = pool.shape
-        self._rows = pool.view(num_pages * self.num_layers * 2, -1)
+        _, num_kv_heads, self.num_layers, _, page_size, head_dim = pool.shape
+        self._pool = pool
         self._pages = block_table.flatten()
         self._shape = (block_table.shape[0], block_table.shape[1] * page_size)
         self._head_shape = (num_kv_heads, head_dim)
         # Slot of each sequence's newest token in its flattened context copy.
         self._new_slots = torch.arange(self._shape[0], device=pool.device) * self._shape[1]
         self._new_slots += context_lens - 1
-        bytes_per_layer = 2 * self._pages.numel() * self._rows.shape[1] * pool.element_size()
+        page_elems = page_size * num_kv_heads * head_dim
+        bytes_per_layer = 2 * self._pages.numel() * page_elems * pool.element_size()
         num_layers = max(1, max_gather_bytes // bytes_per_layer)
         self.num_layers_per_gather = min(self.num_layers, num_layers)
         self._start = self._stop = 0  # layers [start, stop) are in the current chunk
@@ -49,10 +50,10 @@ class DecodeContext:
 
     def _gather(self, start: int) -> None:
         stop = min(start + self.num_layers_per_gather, self.num_layers)
-        layer_kv = torch.arange(2 * start, 2 * stop, device=self._pages.device)
-        rows = (self._pages.unsqueeze(0) * (2 * self.num_layers) + layer_kv.unsqueeze(1)).flatten()
-        # (layers, K/V, B, context, Hkv, D), contiguous: each layer's K and V are plain views.
-        self._chunk = self._rows.index_select(0, rows).view(
+        # (B * W, Hkv, layers, 2, page, D) -> (layers, K/V, B, context, Hkv, D), contiguous:
+        # each layer's K and V are plain views.
+        picked = self._pool[:, :, start:stop].index_select(0, self._pages)
+        self._chunk = picked.permute(2, 3, 0, 4, 1, 5).reshape(
             stop - start, 2, *self._shape, *self._head_shape
         )
         self._start, self._stop = start, stop

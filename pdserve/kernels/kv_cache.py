@@ -1,9 +1,13 @@
 """The paged KV cache: one page-major tensor plus a page allocator.
 
-Layout (page-major): ``(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)``.
-All layers' K and V of one page are contiguous, so a room's KV transfer is one NIXL descriptor
-per page, and runs of adjacent pages coalesce into one descriptor. The same tensor is what the
-model runner reads and writes and what the transport registers with NIXL.
+Layout (page-major, head-major inside a page):
+``(num_pages, num_kv_heads, num_layers, 2, page_size, head_dim)``. All layers' K and V of one
+page are contiguous, so a room's KV transfer is one NIXL descriptor per page, and runs of
+adjacent pages coalesce into one descriptor. Inside a page each KV head's layers are one
+contiguous run, so a tensor-parallel rank's heads are a plain slice of the pool
+(:meth:`KVPagePool.head_view`): one engine pool holds every rank's heads and a page has the
+same bytes at every TP size. The same tensor is what the model runner reads and writes and
+what the transport registers with NIXL.
 
 One extra **scratch page** follows the allocator's ``num_pages`` in the same storage: padded
 rows of a batch (CUDA-graph buckets, block-table padding) read and write it, so padding never
@@ -14,6 +18,7 @@ attention kernels read (:meth:`KVPagePool.layer_view`) do.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 from collections import OrderedDict
@@ -40,6 +45,11 @@ class KVCacheConfig:
         return math.ceil(num_tokens / self.page_size)
 
 
+def pool_shape(c: KVCacheConfig) -> tuple[int, ...]:
+    """The storage's shape: the allocator's pages and the scratch page."""
+    return (c.num_pages + 1, c.num_kv_heads, c.num_layers, 2, c.page_size, c.head_dim)
+
+
 def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeroed CPU tensor on anonymous memory advised MADV_HUGEPAGE.
 
@@ -58,17 +68,21 @@ class KVPagePool:
     """Owns the KV tensor. Pages are handed out by a :class:`PageAllocator`."""
 
     def __init__(
-        self, config: KVCacheConfig, device: str | torch.device = "cpu", hugepages: bool = True
-    ) -> None:
+        self, config: KVCacheConfig, device: str | torch.device = "cpu", hugepages: bool = True,
+        storage: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         c = config
-        shape = (c.num_pages + 1, c.num_layers, 2, c.page_size, c.num_kv_heads, c.head_dim)
-        if torch.device(device).type == "cpu" and hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
-            self.storage = hugepage_zeros(shape, c.dtype)  # (P + 1, L, 2, page, Hkv, D)
+        if storage is not None:  # shared by the engine's tensor-parallel ranks (parallel/)
+            if storage.shape != pool_shape(c):
+                raise ValueError(f"KV storage {tuple(storage.shape)} != {pool_shape(c)}")
+            self.storage = storage
+        elif torch.device(device).type == "cpu" and hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
+            self.storage = hugepage_zeros(pool_shape(c), c.dtype)  # (P + 1, Hkv, L, 2, page, D)
         else:
-            self.storage = torch.zeros(shape, dtype=c.dtype, device=device)
+            self.storage = torch.zeros(pool_shape(c), dtype=c.dtype, device=device)
         # The allocator's pages (a contiguous prefix of the storage): what NIXL registers.
-        self.kv = self.storage[: c.num_pages]  # (P, L, 2, page, Hkv, D)
+        self.kv = self.storage[: c.num_pages]  # (P, Hkv, L, 2, page, D)
 
     @property
     def scratch_page(self) -> int:
@@ -77,8 +91,17 @@ class KVPagePool:
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """One layer's K and V pages, the scratch page included,
-        ``(num_pages + 1, 2, page_size, Hkv, D)`` (a strided view)."""
-        return self.storage[:, layer]
+        ``(num_pages + 1, 2, page_size, Hkv, D)`` (a strided view: the kernels take strides)."""
+        return self.storage[:, :, layer].permute(0, 2, 3, 1, 4)
+
+    def head_view(self, heads: range) -> KVPagePool:
+        """The pool of KV heads ``heads`` only, over the same memory and page ids (a
+        tensor-parallel rank's share; strided, so never what the transport registers)."""
+        view = KVPagePool.__new__(KVPagePool)
+        view.config = dataclasses.replace(self.config, num_kv_heads=len(heads))
+        view.storage = self.storage[:, heads.start : heads.stop]
+        view.kv = view.storage[: self.config.num_pages]
+        return view
 
     @property
     def page_bytes(self) -> int:
@@ -92,7 +115,7 @@ class KVPagePool:
         return self.base_address + page_id * self.page_bytes
 
     def page(self, page_id: int) -> torch.Tensor:
-        """One page's whole content, ``(L, 2, page, Hkv, D)`` (a view)."""
+        """One page's whole content, ``(Hkv, L, 2, page, D)`` (a view)."""
         return self.kv[page_id]
 
 

@@ -123,6 +123,8 @@ class LlamaModel:
             else VocabParallelHead(weights.lm_head, config.vocab_size, self.act_dtype, tp)
         )
         self.final_norm = weights.norm.to(self.act_dtype)
+        if tp.size > 1:  # a rank keeps its shards only (and the embedding table, for lookups)
+            self.weights = ModelWeights(weights.embed, [], weights.norm, weights.embed)
         self._cpp_layers: tuple[AttentionBackend, CppDecoderLayers | None] | None = None
         self.cos, self.sin = rope_tables(
             max_positions, config.head_dim, config.rope_theta, config.rope_scaling,

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels import cpu_ext
+from pdserve.kernels.kv_cache import KVCacheConfig, pool_shape
 from pdserve.parallel.group import ShmRegion, TPGroup
 from pdserve.parallel.row_parallel import TP
 from pdserve.parallel.shm_gather import SLOT_ROWS, create_region
@@ -63,6 +65,11 @@ class RankLaunch:
         return os.path.join(self.run_dir, "store")
 
     @property
+    def kv_path(self) -> str:
+        """The engine's KV pool, every rank's heads (kernels/kv_cache.py head-major pages)."""
+        return os.path.join(self.run_dir, "kv")
+
+    @property
     def region(self) -> ShmRegion | None:
         path = os.path.join(self.run_dir, "gather")
         return ShmRegion(path, self.shm_slot_bytes) if self.shm_slot_bytes else None
@@ -77,12 +84,14 @@ def _run_dir() -> str:
 class RankProcesses:
     """Ranks 1..t-1 of one engine, started on construction."""
 
-    def __init__(self, config: RunnerConfig, shm_slot_bytes: int) -> None:
+    def __init__(self, config: RunnerConfig, shm_slot_bytes: int, kv_bytes: int) -> None:
         self.size = config.tensor_parallel_size
         self._dir = _run_dir()
         self.launch = RankLaunch(0, self._dir, shm_slot_bytes)
         if self.launch.region is not None:
             create_region(self.launch.region.path, self.size, shm_slot_bytes)
+        with open(self.launch.kv_path, "wb") as f:  # zeros, as a fresh pool is
+            f.truncate(kv_bytes)
         payload = json.dumps(dataclasses.asdict(config))
         self._procs = [
             subprocess.Popen(
@@ -194,25 +203,33 @@ def _parent_check() -> Callable[[], None]:
     return check
 
 
+def _map_kv(path: str, kv: KVCacheConfig) -> torch.Tensor:
+    """The engine's KV storage, mapped shared (every rank writes its heads into it)."""
+    shape = pool_shape(kv)
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=kv.dtype).view(shape)
+
+
 def start_tensor_parallel(
-    config: RunnerConfig, num_pages: int, hidden_size: int, launch: RankLaunch | None
-) -> tuple[TP, RankProcesses | None]:
-    """This rank's place in its engine's group (``launch``: how rank r > 0 was started; None
-    for rank 0, which starts the other ranks first: they get ``num_pages`` explicitly, as
-    every rank's pool has the same page ids)."""
+    config: RunnerConfig, kv: KVCacheConfig, hidden_size: int, launch: RankLaunch | None
+) -> tuple[TP, RankProcesses | None, torch.Tensor | None]:
+    """This rank's place in its engine's group, the other ranks (rank 0 only) and the KV
+    storage the ranks share (None at TP1). ``launch``: how rank r > 0 was started; None for
+    rank 0, which starts the other ranks first (they get the pool's page count explicitly:
+    every rank addresses the same pages)."""
     size = config.tensor_parallel_size
     if size == 1:
-        return TP(), None
+        return TP(), None, None
     if torch.device(config.device).type != "cpu":
         raise ValueError(f"tensor_parallel_size {size}: only CPU engines split across ranks yet")
     if launch is not None:
         group = TPGroup(
             launch.store_path, launch.rank, size, JOIN_TIMEOUT_S, launch.region, _parent_check()
         )
-        return TP(launch.rank, size, group), None
+        return TP(launch.rank, size, group), None, _map_kv(launch.kv_path, kv)
     # float32 activations (CPU): a slot holds SLOT_ROWS rows of the hidden size
     slot_bytes = SLOT_ROWS * hidden_size * 4 if cpu_ext.load() is not None else 0
-    ranks = RankProcesses(dataclasses.replace(config, num_pages=num_pages), slot_bytes)
+    kv_bytes = math.prod(pool_shape(kv)) * torch.empty((), dtype=kv.dtype).element_size()
+    ranks = RankProcesses(dataclasses.replace(config, num_pages=kv.num_pages), slot_bytes, kv_bytes)
     try:
         group = ranks.join_group()
     except BaseException:
@@ -226,4 +243,4 @@ def start_tensor_parallel(
     def announce_logits(rows: int) -> None:
         ranks.send(StepKind.LOGITS, torch.get_num_threads(), [], [], rows)
 
-    return TP(0, size, group, announce_logits), ranks
+    return TP(0, size, group, announce_logits), ranks, _map_kv(ranks.launch.kv_path, kv)

@@ -2,8 +2,9 @@
 
 A prefill refuses a decode whose layout differs in any field (HTTP 400 ``layout_mismatch``
 naming the fields), so KV is never written into pages that would read it back differently.
-With tensor parallelism later, the layout would grow the rank and the number of ranks (each
-rank's pool holds its share of the KV heads), compared the same way.
+A tensor-parallel engine registers its one engine pool, every rank's heads in head-major pages
+(kernels/kv_cache.py): the same layout as at TP1, so engines of different TP sizes pair and a
+room's pages move as they do between TP1 engines.
 """
 
 from __future__ import annotations

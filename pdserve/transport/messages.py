@@ -68,6 +68,9 @@ class PoolDescMsg:
         )
 
 
+PAGE_ORDER = "head-major"  # (Hkv, L, 2, page, D) per page
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayoutMsg:
     """What must match for one engine's KV pages to be another's: the model and the page layout.
@@ -88,6 +91,8 @@ class KVLayoutMsg:
     page_size: int
     page_bytes: int
     weights: str = ""
+    # the order inside a page (kernels/kv_cache.py); a peer of another order is refused
+    page_order: str = PAGE_ORDER
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +108,8 @@ class KVLayoutMsg:
             dtype=read_str(d, "dtype", max_len=32),
             page_size=read_int(d, "page_size", 1, 1 << 20),
             page_bytes=read_int(d, "page_bytes", 1, 1 << 34),
+            # absent: a peer from before the order was named (token-major pages)
+            page_order=read_str(d, "page_order", max_len=32) if "page_order" in d else "token",
             **ints,
         )
 

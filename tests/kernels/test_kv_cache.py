@@ -3,6 +3,8 @@ and the PageAllocator (reference counts, cached pages kept until needed, LRU evi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,7 +34,20 @@ def test_allocator_never_hands_out_the_scratch_page() -> None:
 def test_layer_view_is_a_view_of_the_storage() -> None:
     pool = KVPagePool(CONFIG, hugepages=False)
     pool.layer_view(0)[2, 1, 3] = torch.ones(1, 8, dtype=CONFIG.dtype)
-    assert pool.page(2)[0, 1, 3].sum() == 8
+    assert pool.page(2)[:, 0, 1, 3].sum() == 8  # (Hkv, L, 2, page, D): head-major
+
+
+def test_a_head_view_is_a_slice_of_every_page_of_the_engine_pool() -> None:
+    """A tensor-parallel rank's heads: its writes land in the engine pool's pages, inside
+    each page one contiguous run per head (the bytes a transfer moves are the TP1 page)."""
+    config = dataclasses.replace(CONFIG, num_kv_heads=4)
+    pool = KVPagePool(config, hugepages=False)
+    rank = pool.head_view(range(2, 4))
+    assert rank.config.num_kv_heads == 2 and rank.scratch_page == pool.scratch_page
+    rank.layer_view(1)[5, 0, 2] = 3.0  # page 5, K, token 2, both of the view's heads
+    assert pool.page(5)[2:4, 1, 0, 2].eq(3.0).all() and pool.page(5)[:2].eq(0).all()
+    head_run = pool.page(5)[2]
+    assert head_run.is_contiguous() and head_run.numel() == pool.page(5).numel() // 4
 
 
 def test_keyed_page_is_cached_not_freed_when_released_and_found_again():

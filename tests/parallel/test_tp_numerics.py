@@ -26,6 +26,8 @@ from tests.model.gguf.writer import write_gguf
 pytestmark = pytest.mark.slow
 
 PAGE = 4
+# logits, sampled tokens with logprobs, the KV pool's pages
+Outcome = tuple[torch.Tensor, list[object], torch.Tensor]
 
 
 def _seq(name: str, ids: list[int], pages: list[int], cached: int = 0) -> Sequence:
@@ -64,7 +66,7 @@ def _workload(runner: ModelRunner, vocab: int) -> tuple[torch.Tensor, list[objec
     return torch.cat([t.reshape(-1) for t in logits]), sampled
 
 
-def _run(path: Path, tp: int, dtype: str = "float32") -> tuple[torch.Tensor, list[object]]:
+def _run(path: Path, tp: int, dtype: str = "float32") -> Outcome:
     config = RunnerConfig(
         str(path), dtype=dtype, page_size=PAGE, num_pages=160, tensor_parallel_size=tp
     )
@@ -73,7 +75,9 @@ def _run(path: Path, tp: int, dtype: str = "float32") -> tuple[torch.Tensor, lis
         if tp > 1:
             assert any(isinstance(layer.down, RowParallelLinear) for layer in runner.model.layers)
             assert isinstance(runner.model.lm_head, VocabParallelHead)
-        return _workload(runner, runner.model_config.vocab_size)
+        logits, sampled = _workload(runner, runner.model_config.vocab_size)
+        # the engine pool: every rank's heads, as the transport sees it
+        return logits, sampled, runner.kv_pool.kv.clone()
     finally:
         runner.close()
 
@@ -87,11 +91,10 @@ def _checkpoint(name: str, root: Path) -> Path:
     return write_checkpoint(root, name, sharded=False)
 
 
-def _assert_same(
-    tp1: tuple[torch.Tensor, list[object]], tp_n: tuple[torch.Tensor, list[object]]
-) -> None:
+def _assert_same(tp1: Outcome, tp_n: Outcome) -> None:
     assert torch.equal(tp1[0], tp_n[0]), (tp1[0] - tp_n[0]).abs().max()
     assert tp1[1] == tp_n[1]  # sampled tokens and their logprobs, exactly
+    assert torch.equal(tp1[2], tp_n[2])  # every KV page, bit for bit: what a transfer moves
 
 
 CASES = ["llama", "qwen2", "qwen3", "mistral", "qwen2_odd_vocab", "gguf-mixed"]
