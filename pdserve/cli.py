@@ -224,7 +224,7 @@ async def _serve_forever(config: object, parent_pid: int | None = None) -> str |
     await server.start()
     assert server.engine is not None
     health = server.engine.health
-    health.on_fatal(lambda _error: stop.set())  # stop now and exit non-zero: a supervisor sees
+    health.on_fatal(lambda _error: stop.set())  # exit non-zero: supervisors see the worker gone
     print(f"pdserve {server.config.role} serving at {server.url}", flush=True)
     try:
         await wait_for_stop(stop, parent_pid)
