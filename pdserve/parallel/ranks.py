@@ -99,6 +99,8 @@ class RankProcesses:
                     str(shm_slot_bytes),
                     "--config",
                     payload,
+                    "--log-level",
+                    str(logging.getLogger().getEffectiveLevel()),  # generate's WARNING
                 ],
                 stdin=subprocess.PIPE,
                 close_fds=True,
