@@ -7,6 +7,7 @@ import json
 
 from pdserve.api.config import ApiConfig
 from pdserve.cli_common import check_tensor_parallel_role, resolve_model_dir, served_model_name
+from pdserve.device import is_cpu
 from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.envs import read_env
@@ -30,7 +31,9 @@ def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -
     tp_size = args.tensor_parallel_size
     check_tensor_parallel_role(tp_size, role)
     model_dir = str(resolve_model_dir(args.model))
-    if tp_size > 1:  # a size that does not split the model: a usage error, before any load
+    if tp_size > 1:  # usage errors, before any load: a device or a size not built for
+        if not is_cpu(args.device):
+            raise ValueError(f"--tensor-parallel-size {tp_size}: only CPU engines split yet")
         check_tp_size(load_model_config(model_dir), tp_size)
     return RunnerConfig(
         model_dir=model_dir,

@@ -86,3 +86,10 @@ def test_a_tp_size_the_model_does_not_split_into_is_refused_at_argument_time(
         main(["serve", "--model", str(model_dir), "-tp", "8"])
     assert exit_.value.code == 2
     assert "does not split this model" in capsys.readouterr().err
+
+
+def test_tp2_on_cuda_is_refused_at_argument_time(model_dir: Path) -> None:
+    args = _serve_args("--model", str(model_dir), "-tp", "2")
+    args.device = "cuda:0"  # as --device would give it on a CUDA machine
+    with pytest.raises(ValueError, match="only CPU engines split yet"):
+        server_config_from_args(args)
