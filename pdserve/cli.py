@@ -199,14 +199,18 @@ def _serve(argv: list[str]) -> int:
         p.error(str(e))
     apply_gil_switch_interval(args.gil_switch_interval_ms)
     try:
-        run_async(_serve_forever(config, args.parent_pid))
+        failure = run_async(_serve_forever(config, args.parent_pid))
     except UNSERVABLE as e:  # the server failed to start: say why, without a traceback
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
+    if failure is not None:  # the engine died (a lost tensor-parallel rank): not a clean stop
+        print(f"pdserve serve: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
-async def _serve_forever(config: object, parent_pid: int | None = None) -> None:
+async def _serve_forever(config: object, parent_pid: int | None = None) -> str | None:
+    """Serve until stopped; why the engine failed if that is what stopped it, else None."""
     from pdserve.server import Server
 
     server = Server(config)  # type: ignore[arg-type]
@@ -218,11 +222,15 @@ async def _serve_forever(config: object, parent_pid: int | None = None) -> None:
     loop.add_signal_handler(signal.SIGTERM, lambda: _on_sigterm(server, stop))
     server.drain_gate.on_begin(lambda _reason: _stop_after_drain(server, stop))
     await server.start()
+    assert server.engine is not None
+    health = server.engine.health
+    health.on_fatal(lambda _error: stop.set())  # exit non-zero: supervisors see the worker gone
     print(f"pdserve {server.config.role} serving at {server.url}", flush=True)
     try:
         await wait_for_stop(stop, parent_pid)
     finally:
         await server.stop()
+    return str(health.error) if health.error is not None else None
 
 
 def _on_sigterm(server: Server, stop: asyncio.Event) -> None:

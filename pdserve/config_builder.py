@@ -6,13 +6,16 @@ import argparse
 import json
 
 from pdserve.api.config import ApiConfig
-from pdserve.cli_common import resolve_model_dir, served_model_name
+from pdserve.cli_common import check_tensor_parallel_role, resolve_model_dir, served_model_name
+from pdserve.device import is_cpu
 from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.envs import read_env
 from pdserve.fsm import RoomDeadlines
 from pdserve.identity import advertise_host, default_engine_id
+from pdserve.model.checkpoint import load_model_config
 from pdserve.model_runner import RunnerConfig
+from pdserve.parallel.mapping import check_tp_size
 from pdserve.registration import RegistrationConfig
 from pdserve.server import ServerConfig
 from pdserve.spec.cli import speculative_config_from_args
@@ -23,9 +26,17 @@ DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30001}
 
 
 def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -> RunnerConfig:
-    """The runner flags (cli_common.add_runner_args) of a worker of ``role``, or of generate."""
+    """The runner flags (cli_common.add_runner_args) of a worker of ``role``, or of generate;
+    ValueError for a combination not built (tensor parallelism with the PD hand-off)."""
+    tp_size = args.tensor_parallel_size
+    check_tensor_parallel_role(tp_size, role)
+    model_dir = str(resolve_model_dir(args.model))
+    if tp_size > 1:  # usage errors, before any load: a device or a size not built for
+        if not is_cpu(args.device):
+            raise ValueError(f"--tensor-parallel-size {tp_size}: only CPU engines split yet")
+        check_tp_size(load_model_config(model_dir), tp_size)
     return RunnerConfig(
-        model_dir=str(resolve_model_dir(args.model)),
+        model_dir=model_dir,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         page_size=args.page_size,
@@ -41,6 +52,7 @@ def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -
         # generate has no --decode-threads: it measures nothing at start-up.
         decode_threads=getattr(args, "decode_threads", None),
         runs_decode_steps=role != "prefill",
+        tensor_parallel_size=tp_size,
     )
 
 

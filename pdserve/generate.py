@@ -15,6 +15,7 @@ import sys
 from pdserve.cli_common import UNSERVABLE, DeprecatedAlias, add_runner_args, setup_logging
 from pdserve.config_builder import runner_config_from_args, scheduler_config_from_args
 from pdserve.device import DEFAULT_GPU_MEMORY_UTILIZATION, add_device_args
+from pdserve.engine.protocol import EngineError
 from pdserve.llm import LLM
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
@@ -63,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print("pdserve generate: give at least one --prompt or --prompt-ids", file=sys.stderr)
         return 2
     setup_logging(args.log_level)
-    config = runner_config_from_args(args)
+    try:
+        config = runner_config_from_args(args)
+    except ValueError as e:  # a flag this model refuses (--tensor-parallel-size)
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
     try:
         runner = ModelRunner(config)
     except UNSERVABLE as e:
@@ -77,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    with LLM(runner, scheduler_config_from_args(args)) as llm:
-        results = llm.generate(_prompts(args, runner), sampling)
+    try:
+        with LLM(runner, scheduler_config_from_args(args)) as llm:
+            results = llm.generate(_prompts(args, runner), sampling)
+    except EngineError as e:  # the engine died (a lost tensor-parallel rank)
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 1
     for result in results:
         if args.json:
             print(json.dumps(dataclasses.asdict(result), ensure_ascii=False))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cli_common import (
     TOOL_PARSER_CHOICES,
+    TP_PD_NOT_BUILT,
     add_model_args,
     resolve_model_dir,
     served_model_name,
@@ -166,6 +167,9 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    if args.tensor_parallel_size > 1:  # up starts prefill/decode pairs only: no colocated mode
+        where = "PD workers of pdserve up"
+        raise ValueError(TP_PD_NOT_BUILT.format(size=args.tensor_parallel_size, where=where))
     model_dir = str(resolve_model_dir(args.model))  # made once, before the children race for it
     prefill_device = args.prefill_device or args.device
     decode_device = args.decode_device or args.device

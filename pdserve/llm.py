@@ -9,6 +9,7 @@ both call :meth:`LLM.generate`. There is no second generation loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Coroutine
@@ -36,7 +37,9 @@ class GenerationResult:
 
 
 class LLM:
-    """A started engine over ``runner``; close it (or use ``with``) to stop its threads.
+    """A started engine over ``runner``; close it (or use ``with``) to stop its threads and
+    end the runner's tensor-parallel rank processes (so a TP > 1 runner serves one LLM; at TP1
+    closing leaves the runner usable).
 
     ``scheduler`` defaults to the runner config's batch limits. Requests of one
     :meth:`generate` call run concurrently, batched by the scheduler; the prefix cache lives as
@@ -62,6 +65,8 @@ class LLM:
         try:
             self._call(self.engine.start())
         except BaseException:
+            with contextlib.suppress(Exception):  # its loop task, and the runner's ranks
+                self._call(self.engine.stop())
             self._stop_loop()
             raise
 
@@ -93,7 +98,8 @@ class LLM:
         req = GenerateRequest(rid, list(ids), dataclasses.replace(sampling))
         result = GenerationResult(list(ids), [], "", "length")
         texts = []
-        async for out in self.engine.generate(req):  # an EngineError propagates
+        # An EngineError propagates: a lost tensor-parallel rank fails this and later calls.
+        async for out in self.engine.generate(req):
             result.token_ids += out.token_ids
             texts.append(out.text)
             result.num_cached_tokens = out.num_cached_tokens

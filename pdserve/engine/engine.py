@@ -18,6 +18,7 @@ from pdserve.engine.admission import check_prefill_time, new_request
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_lease import CpuLease
 from pdserve.engine.handoff import Handoff
+from pdserve.engine.health import EngineHealth
 from pdserve.engine.introspection import count_by_state, oldest_age_by_state
 from pdserve.engine.page_frees import PageFrees
 from pdserve.engine.prefill_rate import PrefillRate
@@ -62,8 +63,7 @@ class Engine:
         self.tokenizer = runner.tokenizer
         self.allocator = PageAllocator(runner.kv_config.num_pages)
         page_size = runner.kv_config.page_size
-        # Every role caches: the decode role's prompt pages arrive by transfer (pdserve.engine.
-        # handoff lends a room only the pages after the prefix it holds).
+        # Every role caches (a decode's prompt pages arrive by transfer, after its prefix).
         self.prefix_cache = PrefixCache(
             self.allocator, page_size, enabled=config.scheduler.prefix_caching
         )
@@ -78,6 +78,7 @@ class Engine:
             incarnation=incarnation,
         )
         self._requests: dict[str, Request] = {}
+        self.health = EngineHealth(runner, self._requests, self._fail)  # a lost rank ends it
         self._runner_thread = runner_thread or RunnerThread()  # the one that loaded the model
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -100,6 +101,7 @@ class Engine:
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="pdserve-engine")
+        self.health.start()
         await self._warmup()
         self._ready = True
 
@@ -114,6 +116,7 @@ class Engine:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._runner_thread.stop()
+        await self.health.close()  # the runner's rank processes end with this engine
 
     @property
     def cpu_lease(self) -> CpuLease | None:
@@ -121,7 +124,8 @@ class Engine:
         return self._runner_thread.lease
 
     def is_ready(self) -> bool:
-        return self._ready and self._loop_task is not None and not self._loop_task.done()
+        task = self._loop_task
+        return self._ready and self.health.error is None and task is not None and not task.done()
 
     async def _warmup(self) -> None:
         runner = self.runner
@@ -158,8 +162,8 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------------
     def _admit(self, request: GenerateRequest) -> Request:
-        if not self._ready:
-            raise EngineError("engine is not ready", 503, "service_unavailable")
+        if not self.is_ready():
+            raise self.health.refusal()
         if request.request_id in self._requests:
             raise EngineError(
                 f"request id {request.request_id!r} is already in flight", 409, "conflict_error"
@@ -218,18 +222,15 @@ class Engine:
             self._frees.begin_step()
             started = time.monotonic()
             fut = self._runner_thread.submit(self.steps.run, seqs)
-            # Overlap: the previous step's detokenization, stop-string checks and streaming run
-            # on the loop while the runner thread computes this step.
+            # Overlap: the last step's detokenization, stop checks and streaming, with this one.
             self.steps.emit_deferred()
             kv_ready = ALWAYS_READY  # a failed step: what it queued on the device is not known
             try:
                 out = await fut
                 kv_ready = out.kv_ready
                 self.prefill_rate.observe(num_prefill_tokens, time.monotonic() - started)
-            except Exception as e:  # a model error fails this batch, never the server
-                logger.exception("%s step failed for %d requests", batch.kind, len(batch.requests))
-                for req in batch.requests:
-                    self._fail(req, EngineError(f"model step failed: {e}", 500, "internal_error"))
+            except Exception as e:  # its batch fails; with tensor-parallel ranks, the engine
+                await self.health.step_failed(batch.kind, batch.requests, e)
                 continue
             finally:
                 self._frees.end_step(kv_ready)
@@ -320,9 +321,8 @@ class Engine:
             # Its room frees the pages lent to it; the cached prefix before them is ours.
             self.free_pages(req.seq.page_ids[: req.num_prefix_pages])
         if not self._frees.is_stepping:
-            # While a forward runs, the runner thread may be reading this sequence's page ids
-            # (an abort lands between schedule() and the forward): leave them; the free above
-            # is deferred to the step's end and the finished request is never scheduled again.
+            # While a forward runs it may read these page ids (an abort between schedule() and
+            # the forward): the free above waits for the step, and no one schedules them again.
             req.seq.page_ids = []
         self._forget(req)
         self.observer.on_finish(req, status)

@@ -27,9 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True, help="rank 0's run dir (store, gather region)")
     p.add_argument("--shm-slot-bytes", type=int, default=0, help="0: gather over gloo")
     p.add_argument("--config", required=True, help="the engine's RunnerConfig as JSON")
+    p.add_argument("--log-level", type=int, default=logging.INFO, help="rank 0's, as a number")
     args = p.parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO,
+        level=args.log_level,
         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(name)s: %(message)s",
     )
     fields = {f.name for f in dataclasses.fields(RunnerConfig)}

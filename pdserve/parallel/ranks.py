@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -107,6 +108,8 @@ class RankProcesses:
                     str(shm_slot_bytes),
                     "--config",
                     payload,
+                    "--log-level",
+                    str(logging.getLogger().getEffectiveLevel()),  # generate's WARNING
                 ],
                 stdin=subprocess.PIPE,
                 close_fds=True,
@@ -114,6 +117,9 @@ class RankProcesses:
             for rank in range(1, self.size)
         ]
         self._lock = threading.Lock()  # steps are sent from one thread; close may be another
+        # One pidfd per rank: readable once the rank exits, so a watcher (an event loop's
+        # reader, a select) learns of a death without polling or reaping it.
+        self.exit_fds = _pidfds(self._procs)
 
     def join_group(self) -> TPGroup:
         """Rank 0's place in the group, once every rank joined; RankDied if one exits first."""
@@ -149,6 +155,19 @@ class RankProcesses:
             if rc is not None:
                 raise RankDied(f"tensor-parallel rank {rank} exited (status {rc})")
 
+    def wait_dead(self, timeout_s: float) -> RankDied | None:
+        """The death of a rank, waiting up to ``timeout_s`` for one; None if all live on.
+
+        For a step that failed in a collective: a SIGKILLed rank's sockets close a moment
+        before its exit status can be read, and the status is the cause worth naming."""
+        if self.exit_fds:
+            select.select(self.exit_fds, [], [], timeout_s)
+        try:
+            self.check_alive()
+        except RankDied as e:
+            return e
+        return None
+
     def send(
         self, kind: StepKind, threads: int, prefill: list[SeqLike], decode: list[SeqLike],
         rows: int = 0,
@@ -179,11 +198,28 @@ class RankProcesses:
                 logger.warning("tensor-parallel rank pid %d did not exit: killed", p.pid)
                 p.kill()
                 p.wait()
+        for fd in self.exit_fds:
+            os.close(fd)
+        self.exit_fds = []
         shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+
+def _pidfds(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """A pidfd per process (Linux 5.3+); none where there are none: then a death is found
+    by the next step (and :meth:`RankProcesses.wait_dead` returns at once)."""
+    fds: list[int] = []
+    try:
+        for p in procs:
+            fds.append(os.pidfd_open(p.pid))
+    except (AttributeError, OSError):
+        for fd in fds:
+            os.close(fd)
+        return []
+    return fds
 
 
 def threads_per_rank(tp_size: int) -> int:
