@@ -70,6 +70,8 @@ class ClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
     worker_args: tuple[str, ...] = DEFAULT_WORKER_ARGS
+    prefill_args: tuple[str, ...] = ()  # after worker_args, per role (e.g. "-tp", "2")
+    decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = DEFAULT_ROUTER_ARGS
     log_dir: str | None = None  # a fresh temp dir when None
     log_level: str = "INFO"
@@ -234,6 +236,7 @@ class Cluster:
         argv = ["serve", "--role", role, "--model", self.spec.model_dir, "--port", str(port),
                 "--served-model-name", self.spec.served_model_name, "--engine-id", name,
                 *self.spec.worker_args, *self.spec.secure_args()]  # fmt: skip
+        argv += self.spec.prefill_args if role == "prefill" else self.spec.decode_args
         if role == "prefill":
             argv += ["--bootstrap-port", str(free_port())]
         return ManagedProc(name, role, argv, f"{self.spec.scheme}://127.0.0.1:{port}",

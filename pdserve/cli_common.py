@@ -85,27 +85,15 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (prefill; decode's most); default: torch's (all cores)",
     )  # fmt: skip
     p.add_argument(
-        "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=_tp_size, default=1,
+        "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=tp_size_arg, default=1,
         metavar="N", help="split the model over N rank processes (CPU only; the model's heads, "
-        "KV heads and MLP must divide by N); with --role prefill/decode: not built yet",
+        "KV heads and MLP must divide by N); any role: a prefill and a decode of different "
+        "sizes pair",
     )  # fmt: skip
 
 
-# The PD hand-off moves one KV pool per engine; a pool split over ranks is the next milestone
-# (docs/operations.md, "Tensor parallelism").
-TP_PD_NOT_BUILT = (
-    "--tensor-parallel-size {size} with the {where}: tensor parallelism with the prefill/decode "
-    "KV hand-off is not built yet (it works on a colocated worker and in pdserve generate)"
-)
-
-
-def check_tensor_parallel_role(size: int, role: str) -> None:
-    """Refuse TP > 1 for a prefill or decode worker (ValueError, a usage error)."""
-    if size > 1 and role != "colocated":
-        raise ValueError(TP_PD_NOT_BUILT.format(size=size, where=f"{role} role"))
-
-
-def _tp_size(value: str) -> int:
+def tp_size_arg(value: str) -> int:
+    """argparse type of a tensor-parallel size (an int >= 1)."""
     try:
         size = int(value)
     except ValueError:

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from pdserve.api.config import ApiConfig
-from pdserve.cli_common import check_tensor_parallel_role, resolve_model_dir, served_model_name
+from pdserve.cli_common import resolve_model_dir, served_model_name
 from pdserve.device import is_cpu
 from pdserve.engine.config import EngineConfig, RequestDeadlines
 from pdserve.engine.scheduler import SchedulerConfig
@@ -27,9 +27,8 @@ DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30001}
 
 def runner_config_from_args(args: argparse.Namespace, role: str = "colocated") -> RunnerConfig:
     """The runner flags (cli_common.add_runner_args) of a worker of ``role``, or of generate;
-    ValueError for a combination not built (tensor parallelism with the PD hand-off)."""
+    ValueError for a tensor-parallel size that does not split the model."""
     tp_size = args.tensor_parallel_size
-    check_tensor_parallel_role(tp_size, role)
     model_dir = str(resolve_model_dir(args.model))
     if tp_size > 1:  # usage errors, before any load: a device or a size not built for
         if not is_cpu(args.device):

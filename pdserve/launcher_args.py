@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from pdserve.cli_common import (
     TOOL_PARSER_CHOICES,
-    TP_PD_NOT_BUILT,
     add_model_args,
     resolve_model_dir,
     served_model_name,
+    tp_size_arg,
 )
 from pdserve.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -134,6 +134,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefill-device", type=device_arg, default=None, help="default: --device")
     p.add_argument("--decode-device", type=device_arg, default=None, help="default: --device")
     p.add_argument(
+        "--prefill-tp", type=tp_size_arg, default=None, metavar="M",
+        help="the prefill workers' --tensor-parallel-size (default: --tensor-parallel-size)",
+    )  # fmt: skip
+    p.add_argument(
+        "--decode-tp", type=tp_size_arg, default=None, metavar="N",
+        help="the decode workers' --tensor-parallel-size (default: --tensor-parallel-size); "
+        "KV moves between any two sizes (every engine's pages are the TP1 pages)",
+    )  # fmt: skip
+    p.add_argument(
         "--cpu-lease", action=argparse.BooleanOptionalAction, default=None,
         help="the two workers take turns at this machine's cores for model steps, each with all "
         "its threads (off: they compute at once; then split the cores with --num-threads); "
@@ -167,9 +176,6 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    if args.tensor_parallel_size > 1:  # up starts prefill/decode pairs only: no colocated mode
-        where = "PD workers of pdserve up"
-        raise ValueError(TP_PD_NOT_BUILT.format(size=args.tensor_parallel_size, where=where))
     model_dir = str(resolve_model_dir(args.model))  # made once, before the children race for it
     prefill_device = args.prefill_device or args.device
     decode_device = args.decode_device or args.device
@@ -187,8 +193,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         bootstrap_port=args.bootstrap_port,
         ready_timeout_s=args.ready_timeout,
         extra_worker_args=tuple(worker_args(args)),
-        prefill_args=role_device_args(args, prefill_device, decode_device),
+        prefill_args=role_device_args(args, prefill_device, decode_device)
+        + ("-tp", str(args.prefill_tp or args.tensor_parallel_size)),
         decode_args=role_device_args(args, decode_device, prefill_device)
+        + ("-tp", str(args.decode_tp or args.tensor_parallel_size))
         + tuple(speculative_worker_args(args)),
         cpu_lease_path=default_lease_path(args.router_port) if use_lease else None,
         drain_timeout_s=args.drain_timeout,

@@ -1,6 +1,6 @@
-"""``--tensor-parallel-size`` (``-tp``) on the commands that load a model: what it sets, and what
-is refused at argument time (a size below 1, one the model does not split into, and TP > 1 with
-the prefill/decode hand-off, which is not built yet). In-process: no model is loaded."""
+"""``--tensor-parallel-size`` (``-tp``) on the commands that load a model: what it sets (every
+role; ``pdserve up``'s ``--prefill-tp``/``--decode-tp``), and what is refused at argument time (a
+size below 1, one the model does not split into). In-process: no model is loaded."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import launcher
 from pdserve.cli import add_serve_args, main
 from pdserve.config_builder import server_config_from_args
+from pdserve.launcher_args import cluster_config_from_args, parse_args
 from tests.model.checkpoints import write_checkpoint
-
-NOT_BUILT = "tensor parallelism with the prefill/decode KV hand-off is not built yet"
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +40,10 @@ def test_the_tp_size_defaults_to_one(model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_tp2_on_a_pd_worker_is_refused_naming_the_missing_hand_off(
-    role: str, model_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["serve", "--role", role, "--model", str(model_dir), "--tensor-parallel-size", "2"]
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert NOT_BUILT in err and f"{role} role" in err
+def test_a_pd_worker_s_runner_gets_the_tp_size(role: str, model_dir: Path) -> None:
+    """A prefill and a decode of different sizes pair: every engine's pages are TP1's."""
+    args = _serve_args("--role", role, "--model", str(model_dir), "-tp", "2")
+    assert server_config_from_args(args).runner.tensor_parallel_size == 2
 
 
 def test_tp1_on_a_pd_worker_is_accepted(model_dir: Path) -> None:
@@ -69,12 +62,21 @@ def test_a_tp_size_below_one_is_a_usage_error(
     assert "--tensor-parallel-size/-tp" in capsys.readouterr().err
 
 
-def test_up_refuses_tp2_before_starting_any_worker(
-    model_dir: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("argv", "sizes"),
+    [
+        ([], ("1", "1")),
+        (["-tp", "2"], ("2", "2")),
+        (["--prefill-tp", "2"], ("2", "1")),
+        (["-tp", "2", "--decode-tp", "1"], ("2", "1")),
+    ],
+)
+def test_up_gives_each_role_its_tp_size(
+    argv: list[str], sizes: tuple[str, str], model_dir: Path
 ) -> None:
-    assert launcher.main(["--model", str(model_dir), "--tensor-parallel-size", "2"]) == 2
-    err = capsys.readouterr().err
-    assert NOT_BUILT in err and "PD workers of pdserve up" in err
+    config = cluster_config_from_args(parse_args(["--model", str(model_dir), *argv]))
+    for role_args, size in zip((config.prefill_args, config.decode_args), sizes, strict=True):
+        assert role_args[role_args.index("-tp") + 1] == size
 
 
 def test_a_tp_size_the_model_does_not_split_into_is_refused_at_argument_time(
