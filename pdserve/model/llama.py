@@ -35,8 +35,10 @@ from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.quantized import QuantizedTensor
 from pdserve.model.weights import LayerWeights, ModelWeights, Projection, num_bytes
 from pdserve.parallel.mapping import (
+    block_size,
     gate_up_rows,
     local_config,
+    mlp_bounds,
     qkv_rows,
     reduction_segments,
     row_segments,
@@ -59,12 +61,14 @@ class _Layer:
         segments = reduction_segments(cfg)
         self.input_norm, self.post_norm = w.input_norm.to(act_dtype), w.post_norm.to(act_dtype)
         self.q_norm, self.k_norm = _vector(w.q_norm, act_dtype), _vector(w.k_norm, act_dtype)
-        qkv, gate_up = qkv_rows(cfg, tp.size, tp.rank), gate_up_rows(cfg, tp.size, tp.rank)
+        # MLP segments on the down projection's block bounds: no down segment cuts a block
+        mlp = mlp_bounds(cfg.intermediate_size, segments, block_size(w.down))
+        qkv, gate_up = qkv_rows(cfg, tp.size, tp.rank), gate_up_rows(cfg, tp.size, tp.rank, mlp)
         self.qkv = _column_parallel(w.qkv, w.qkv_bias, qkv, act_dtype, tp)
         self.gate_up = _column_parallel(w.gate_up, w.gate_up_bias, gate_up, act_dtype, tp)
         self.o_proj = _row_parallel(w.o_proj, w.o_bias, cfg.q_size, segments, act_dtype, tp)
         inter = cfg.intermediate_size
-        self.down = _row_parallel(w.down, w.down_bias, inter, segments, act_dtype, tp)
+        self.down = _row_parallel(w.down, w.down_bias, inter, segments, act_dtype, tp, mlp)
 
 
 def _column_parallel(
@@ -78,11 +82,11 @@ def _column_parallel(
 
 def _row_parallel(
     w: Projection, bias: torch.Tensor | None, in_features: int, num_segments: int,
-    act_dtype: torch.dtype, tp: TP,
+    act_dtype: torch.dtype, tp: TP, bounds: list[int] | None = None,
 ) -> Linear | RowParallelLinear:  # fmt: skip
     if num_segments == 1:  # one fused sum, as every TP1-only model (SmolLM2's 9 heads) has
         return Linear(w, bias, act_dtype)
-    segments = row_segments(w, in_features, num_segments, tp.size, tp.rank)
+    segments = row_segments(w, in_features, num_segments, tp.size, tp.rank, bounds)
     return RowParallelLinear(segments, bias, act_dtype, tp.group)
 
 

@@ -74,8 +74,9 @@ def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
 
 
 def local_config(cfg: ModelConfig, tp_size: int, rank: int) -> ModelConfig:
-    """The model as rank ``rank`` sees it: its heads, KV heads and MLP width (the attention
-    backend, KV pool and forward pass read these)."""
+    """The model as rank ``rank`` sees it: its heads and KV heads (the attention backend and
+    the forward pass read these); its MLP width is nominal (a layer's share follows that
+    layer's block bounds, :func:`mlp_bounds`)."""
     if tp_size == 1:
         return cfg
     return dataclasses.replace(
@@ -98,10 +99,28 @@ def qkv_rows(cfg: ModelConfig, tp_size: int, rank: int) -> list[tuple[int, int]]
     ]
 
 
-def gate_up_rows(cfg: ModelConfig, tp_size: int, rank: int) -> list[tuple[int, int]]:
-    """The rank's row ranges of the fused ``[gate; up]`` projection."""
-    inter, width = cfg.intermediate_size, cfg.intermediate_size // tp_size
-    return [(rank * width, (rank + 1) * width), (inter + rank * width, inter + (rank + 1) * width)]
+def mlp_bounds(intermediate: int, num_segments: int, block: int) -> list[int]:
+    """The MLP's segment bounds: nearly equal and on ``block`` boundaries (the down
+    projection's quantized block), so no down segment cuts a block. The MLP splits at any
+    column (gate/up are column-parallel), so a rank's share may be a block wider than another's;
+    equal widths where ``block`` does not divide the MLP or it has fewer blocks than segments
+    (the segments then cut blocks: :func:`row_segments` pads them)."""
+    if intermediate % block or intermediate // block < num_segments:
+        block = 1
+    blocks = intermediate // block
+    return [j * blocks // num_segments * block for j in range(num_segments)] + [intermediate]
+
+
+def gate_up_rows(
+    cfg: ModelConfig, tp_size: int, rank: int, bounds: list[int] | None = None
+) -> list[tuple[int, int]]:
+    """The rank's row ranges of the fused ``[gate; up]`` projection: its share of the MLP
+    segments ``bounds`` (:func:`mlp_bounds`; default: equal shares)."""
+    inter = cfg.intermediate_size
+    bounds = bounds or [inter * j // tp_size for j in range(tp_size + 1)]
+    per_rank = (len(bounds) - 1) // tp_size
+    lo, hi = bounds[rank * per_rank], bounds[(rank + 1) * per_rank]
+    return [(lo, hi), (inter + lo, inter + hi)]
 
 
 def take_rows(weight: Projection, ranges: list[tuple[int, int]]) -> Projection:
@@ -140,7 +159,9 @@ class KSegment:
     pad_after: int = 0
 
 
-def _block_size(weight: Projection) -> int:
+def block_size(weight: Projection) -> int:
+    """The elements of K one quantized block of ``weight`` covers (the lcm over its parts; 1
+    for a dense weight)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if isinstance(weight, torch.Tensor):
@@ -167,18 +188,22 @@ def _columns(weight: Projection, a: int, b: int, block: int) -> Projection:
 
 
 def row_segments(
-    weight: Projection, in_features: int, num_segments: int, tp_size: int, rank: int
-) -> list[KSegment]:
+    weight: Projection, in_features: int, num_segments: int, tp_size: int, rank: int,
+    bounds: list[int] | None = None,
+) -> list[KSegment]:  # fmt: skip
     """Rank ``rank``'s segments of a row-parallel projection of ``in_features`` inputs, in
-    order; ``lo``/``hi`` are columns of the rank's own input slice (``in_features / tp_size``
-    wide, starting at global column ``rank * in_features / tp_size``)."""
-    if num_segments % tp_size or in_features % num_segments:
+    order; ``lo``/``hi`` are columns of the rank's own input slice. ``bounds``: the segments'
+    global bounds (default: equal widths, ``in_features / num_segments``); the rank's slice
+    starts at its first segment's."""
+    if num_segments % tp_size or (bounds is None and in_features % num_segments):
         raise ValueError(f"{in_features} inputs in {num_segments} segments over {tp_size} ranks")
-    width, per_rank = in_features // num_segments, num_segments // tp_size
-    block, base = _block_size(weight), rank * per_rank * width
+    if bounds is None:
+        bounds = [in_features * j // num_segments for j in range(num_segments + 1)]
+    per_rank = num_segments // tp_size
+    block, base = block_size(weight), bounds[rank * per_rank]
     out = []
     for s in range(rank * per_rank, (rank + 1) * per_rank):
-        g0, g1 = s * width, (s + 1) * width
+        g0, g1 = bounds[s], bounds[s + 1]
         c0, c1 = g0 // block * block, -(-g1 // block) * block
         out.append(
             KSegment(_columns(weight, c0, c1, block), g0 - base, g1 - base, g0 - c0, c1 - g1)

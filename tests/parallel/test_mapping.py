@@ -4,6 +4,7 @@ reduction segments every TP size shares."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from pdserve.parallel.mapping import (
     check_tp_size,
     gate_up_rows,
     local_config,
+    mlp_bounds,
     qkv_rows,
     reduction_segments,
     row_segments,
@@ -149,6 +151,27 @@ def test_row_segments_reassemble_the_weight_and_cut_blocks_are_kept_whole(
         for s in segs:
             assert (s.pad_before + s.hi - s.lo + s.pad_after) % block == 0
             assert s.pad_before < block and s.pad_after < block
+
+
+@pytest.mark.parametrize(("inter", "segments"), [(4864, 2), (8960, 4), (4096, 8)])
+def test_mlp_segments_fall_on_block_bounds_so_the_down_projection_cuts_no_block(
+    inter: int, segments: int
+) -> None:
+    bounds = mlp_bounds(inter, segments, 256)
+    assert bounds[0] == 0 and bounds[-1] == inter and all(b % 256 == 0 for b in bounds)
+    widths = [b - a for a, b in itertools.pairwise(bounds)]
+    assert max(widths) - min(widths) <= 256  # nearly even: at most one block apart
+    down = random_weight("Q4_K", 4, inter, seed=1)
+    for tp in (1, 2):
+        if segments % tp:
+            continue
+        per_rank = [row_segments(down, inter, segments, tp, r, bounds) for r in range(tp)]
+        assert all(s.pad_before == s.pad_after == 0 for segs in per_rank for s in segs)
+        cols = torch.cat([_segment_columns(s) for segs in per_rank for s in segs], dim=1)
+        assert torch.equal(cols, down.dequantize())
+        cfg = _cfg(intermediate_size=inter)
+        gate = [gate_up_rows(cfg, tp, r, bounds)[0] for r in range(tp)]
+        assert [hi - lo for lo, hi in gate] == [segs[-1].hi for segs in per_rank]
 
 
 def test_tree_sum_adds_in_one_fixed_pairwise_order() -> None:
