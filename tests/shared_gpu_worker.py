@@ -93,13 +93,13 @@ def patch_runner(gpu: SharedGpu, args: argparse.Namespace) -> None:
         gpu.mark("weights")
         return loaded(*a, **k)
 
-    def pool(config: Any, device: Any = "cpu", hugepages: bool = True) -> Any:
+    def pool(config: Any, device: Any = "cpu", hugepages: bool = True, storage: Any = None) -> Any:
         gpu.allocated += (config.num_pages + 1) * config.page_bytes  # + the scratch page
         gpu.publish()
         gpu.num_pools += 1
         if gpu.num_pools == 2:  # the warm-up pool came first; this is the sized one
             gpu.mark("pool")
-        return pool_cls(config, device, hugepages)
+        return pool_cls(config, device, hugepages, storage)
 
     def warm_up_largest_step(self: ModelRunner) -> None:
         gpu.other = LIBRARIES
