@@ -10,8 +10,9 @@ namespace pdserve {
 
 at::Tensor Projection::operator()(const at::Tensor& x) const {
   if (!segments.empty()) {  // RowParallelLinear.__call__, op for op
-    std::vector<at::Tensor> parts;
-    for (size_t i = 0; i < segments.size(); ++i) {
+    const int64_t num_segments = static_cast<int64_t>(segments.size());
+    std::vector<at::Tensor> parts(num_segments);
+    auto run = [&](int64_t i) {
       const int64_t lo = bounds[4 * i], hi = bounds[4 * i + 1];
       const int64_t before = bounds[4 * i + 2], after = bounds[4 * i + 3];
       at::Tensor in;
@@ -21,7 +22,20 @@ at::Tensor Projection::operator()(const at::Tensor& x) const {
         in = at::zeros({x.size(0), before + hi - lo + after}, x.options());
         in.narrow(1, before, hi - lo).copy_(x.narrow(1, lo, hi - lo));
       }
-      parts.push_back(segments[i](in));
+      parts[i] = segments[i](in);
+    };
+    // A few rows (decode) and segments a multiple of the threads: each thread runs whole
+    // segments, one parallel region instead of one per segment (a 1-row step paid ~20 us a
+    // region; Qwen2.5-1.5B c1 +5.8% -> +1.8% over one fused sum). More rows keep each kernel's
+    // own split (measured better at 8 rows). A kernel's bits do not depend on its thread
+    // count, so either way this is the Python loop's result.
+    const int64_t threads = at::get_num_threads();
+    if (threads > 1 && num_segments % threads == 0 && x.size(0) <= 4) {
+      at::parallel_for(0, num_segments, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) run(i);
+      });
+    } else {
+      for (int64_t i = 0; i < num_segments; ++i) run(i);
     }
     while (parts.size() > 1) {
       std::vector<at::Tensor> next;
