@@ -110,7 +110,9 @@ class ModelRunner:
         )
         release_checkpoint_file(config.model_dir)
         if self.tp.group is not None:
-            self.tp.group.barrier()  # every rank holds its shard
+            self.tp.group.barrier()  # every rank holds its shard, and has mapped the pool
+        if self._ranks is not None:
+            self._ranks.unlink_shared_files()
         self.stats = RunnerStats()
         self.prefill_threads = config.num_threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads

@@ -183,6 +183,15 @@ class RankProcesses:
                 except (BrokenPipeError, ValueError) as e:
                     raise RankDied(f"tensor-parallel rank {rank} is gone: {e}") from e
 
+    def unlink_shared_files(self) -> None:
+        """Once every rank has mapped them: the KV pool and gather region files leave
+        /dev/shm (the mappings stay), so a killed engine leaks no memory there."""
+        region = self.launch.region
+        for path in (self.launch.kv_path, region.path if region else None):
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """End every rank (end of pipe), waiting ``timeout_s`` before killing one."""
         with self._lock:

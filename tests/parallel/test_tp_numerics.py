@@ -8,6 +8,7 @@ equal, not close: the row-parallel sums add their fixed segments in one tree at 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,9 @@ def _run(path: Path, tp: int, dtype: str = "float32") -> Outcome:
         if tp > 1:
             assert any(isinstance(layer.down, RowParallelLinear) for layer in runner.model.layers)
             assert isinstance(runner.model.lm_head, VocabParallelHead)
+            # the shared files left /dev/shm once every rank mapped them (a kill leaks none)
+            assert runner._ranks is not None
+            assert not os.path.exists(runner._ranks.launch.kv_path)
         logits, sampled = _workload(runner, runner.model_config.vocab_size)
         # the engine pool: every rank's heads, as the transport sees it
         return logits, sampled, runner.kv_pool.kv.clone()
