@@ -9,7 +9,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
-import httpx
+import openai
 import orjson
 import pytest
 from openai import AsyncOpenAI
@@ -130,7 +130,7 @@ async def test_the_openai_client_streams_through_keep_alives(
     """The SDK's own read timeout is 2 periods; the held prefill lasts 3."""
     client = AsyncOpenAI(
         base_url=f"{live_url}/v1", api_key=API_KEY, max_retries=0,
-        timeout=httpx.Timeout(10.0, read=2 * PERIOD_S),
+        timeout=openai.Timeout(10.0, read=2 * PERIOD_S),
     )  # fmt: skip
     try:
         stream = await client.chat.completions.create(

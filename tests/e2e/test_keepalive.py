@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import httpx
+import openai
 import pytest
 from openai import AsyncOpenAI
 
@@ -53,7 +53,7 @@ async def test_the_openai_client_with_a_two_period_read_timeout_gets_its_tokens(
 ):
     client = AsyncOpenAI(
         base_url=cluster.router.url + "/v1", api_key="unused", max_retries=0,
-        timeout=httpx.Timeout(60.0, read=2 * PERIOD_S),
+        timeout=openai.Timeout(60.0, read=2 * PERIOD_S),
     )  # fmt: skip
     try:
         stream = await client.completions.create(
