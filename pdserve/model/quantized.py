@@ -59,6 +59,26 @@ class QuantizedTensor:
         dense = dequantize(rows, GGMLQuantizationType[self.type_name])
         return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(dtype)
 
+    @property
+    def block_size(self) -> int:
+        """The K elements one block of this type covers (1 for the float types)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        return GGML_QUANT_SIZES[GGMLQuantizationType[self.type_name]][0]
+
+    def take_columns(self, start: int, stop: int) -> QuantizedTensor:
+        """Input columns ``[start, stop)`` of every row (multiples of :attr:`block_size`:
+        whole blocks move, a copy; nothing is requantized)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        size, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.type_name]]
+        if start % size or stop % size:
+            raise ValueError(f"{self.type_name} columns [{start}, {stop}) cut a {size}-block")
+        data = np.ascontiguousarray(
+            self.data[:, start // size * type_bytes : stop // size * type_bytes]
+        )
+        return QuantizedTensor(self.type_name, (self.shape[0], stop - start), data)
+
     def take_rows(self, index: np.ndarray | torch.Tensor) -> QuantizedTensor:
         """Rows reordered/selected by ``index`` (whole blocks move; nothing is requantized)."""
         rows = np.ascontiguousarray(self.data[np.asarray(index)])

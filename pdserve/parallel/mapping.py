@@ -162,28 +162,16 @@ class KSegment:
 def block_size(weight: Projection) -> int:
     """The elements of K one quantized block of ``weight`` covers (the lcm over its parts; 1
     for a dense weight)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     if isinstance(weight, torch.Tensor):
         return 1
-    sizes = [
-        GGML_QUANT_SIZES[GGMLQuantizationType[p.type_name]][0] for p in projection_parts(weight)
-    ]  # type: ignore[union-attr]
-    return math.lcm(*sizes)
+    return math.lcm(*(p.block_size for p in projection_parts(weight)))  # type: ignore[union-attr]
 
 
-def _columns(weight: Projection, a: int, b: int, block: int) -> Projection:
-    """Input columns ``[a, b)`` (multiples of ``block``) of every row."""
+def _columns(weight: Projection, a: int, b: int) -> Projection:
+    """Input columns ``[a, b)`` (whole blocks) of every row."""
     if isinstance(weight, torch.Tensor):
         return weight[:, a:b].contiguous()
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    parts: list[QuantizedTensor] = []
-    for p in projection_parts(weight):
-        assert isinstance(p, QuantizedTensor)
-        size, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[p.type_name]]
-        data = p.data[:, a // size * type_bytes : b // size * type_bytes]
-        parts.append(QuantizedTensor(p.type_name, (p.shape[0], b - a), data.copy()))
+    parts = [p.take_columns(a, b) for p in projection_parts(weight)]  # type: ignore[union-attr]
     return parts[0] if len(parts) == 1 else parts
 
 
@@ -205,7 +193,5 @@ def row_segments(
     for s in range(rank * per_rank, (rank + 1) * per_rank):
         g0, g1 = bounds[s], bounds[s + 1]
         c0, c1 = g0 // block * block, -(-g1 // block) * block
-        out.append(
-            KSegment(_columns(weight, c0, c1, block), g0 - base, g1 - base, g0 - c0, c1 - g1)
-        )
+        out.append(KSegment(_columns(weight, c0, c1), g0 - base, g1 - base, g0 - c0, c1 - g1))
     return out

@@ -56,11 +56,10 @@ class ShmAllGather:
         rows = t.shape[0] if t.dim() else 1
         row_bytes = t.nbytes // max(rows, 1)
         per_round = max(1, self.slot_bytes // max(row_bytes, 1))
-        if rows <= per_round:
-            out = torch.empty((self.size, *t.shape), dtype=t.dtype)
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype)
+        if rows <= per_round:  # one round, straight into the result (a decode step)
             self._round(t, out)
             return list(out.unbind(0))
-        out = torch.empty((self.size, *t.shape), dtype=t.dtype)
         for r0 in range(0, rows, per_round):
             chunk = torch.empty((self.size, min(per_round, rows - r0), *t.shape[1:]), dtype=t.dtype)
             self._round(t[r0 : r0 + per_round], chunk)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.model.demo import DemoShape, write_demo_model
 from pdserve.model_runner import ModelRunner, RunnerConfig
 from pdserve.spec.config import SpeculativeConfig
 from tests.spec.conftest import PAGE
@@ -17,16 +16,6 @@ from tests.spec.harness import greedy, run_engine, seeded
 from tests.spec.test_engine_ngram import NGRAM, prompts
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_demo_model(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_demo_model(tmp_path_factory.mktemp("draft"), DemoShape(seed=7, num_layers=2))
 
 
 def _runner(demo_dir: Path, tp: int) -> ModelRunner:
